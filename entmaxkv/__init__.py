@@ -1,0 +1,35 @@
+"""EntmaxKV: fast long-context decoding with alpha-entmax attention.
+
+Public API::
+
+    from entmaxkv import PagedKVCache, decode, TopK, Gaussian, Certified, Full
+
+    cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, max_seqs=...)
+    seq = cache.allocate(); cache.prefill(seq, k, v)
+    out = decode(q, cache, [seq], TopK(1024), alpha=1.5)
+"""
+from .cache import CacheFullError, PagedKVCache
+from .decode import decode
+from .entmax import entmax, entmax_threshold
+from .metrics import Quality, dense_attention, evaluate_selection
+from .policies import Certified, Full, Gaussian, TopK
+from .types import DecodeStats, Selection
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheFullError",
+    "Certified",
+    "DecodeStats",
+    "Full",
+    "Gaussian",
+    "PagedKVCache",
+    "Quality",
+    "Selection",
+    "TopK",
+    "decode",
+    "dense_attention",
+    "entmax",
+    "entmax_threshold",
+    "evaluate_selection",
+]

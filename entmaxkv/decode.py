@@ -1,0 +1,242 @@
+"""The one public decode entry point: validate, select pages, attend.
+
+``decode`` runs one decoding step for a batch of sequences (one new query
+token each) against a PagedKVCache. On CUDA tensors it uses the Triton
+kernels of ``entmaxkv.kernels`` when Triton is available; elsewhere the
+pure-PyTorch reference, which is also the oracle the kernels are tested
+against. Validation only looks at shapes, dtypes and host-side bookkeeping,
+except the optional finiteness check of the query (see ``check_finite``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import attention, policies, scoring
+from .cache import PagedKVCache
+from .policies import Full, Policy, check_policy
+from .types import DecodeStats, Selection
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def _kernels():
+    """The Triton backend module, or None when Triton cannot be used here."""
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    available = getattr(kernels, "is_available", None)
+    return kernels if available is not None and available() else None
+
+
+def resolve_backend(backend: str, device: torch.device):
+    """Return the stage module (reference namespace or kernels) to run on."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return _Reference
+    kern = _kernels()
+    if backend == "triton":
+        if kern is None:
+            raise ValueError(
+                "backend: 'triton' requested but Triton is not usable here "
+                "(install triton; on CPU set TRITON_INTERPRET=1)"
+            )
+        return kern
+    return kern if (device.type == "cuda" and kern is not None) else _Reference
+
+
+class _Reference:
+    """The reference stages under the names the kernels module exports."""
+
+    quest_bounds = staticmethod(scoring.quest_bounds)
+    select = staticmethod(policies.select)
+    attend = staticmethod(attention.attend)
+
+    @staticmethod
+    def certify(ub, sel, tau, alpha, seq_lens, *, page_size, slack=None):
+        return attention.certify(ub, sel, tau, alpha, seq_lens, page_size=page_size, slack=slack)
+
+
+def _seq_tensor(seq_ids, cache: PagedKVCache, batch: int) -> torch.Tensor:
+    """Validate sequence ids against the host bookkeeping; int32 [B] on device."""
+    if isinstance(seq_ids, torch.Tensor):
+        if seq_ids.dim() != 1 or seq_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"seq_ids: expected a 1-D int32/int64 tensor, got shape "
+                f"{tuple(seq_ids.shape)} dtype {seq_ids.dtype}"
+            )
+        host = seq_ids.tolist() if seq_ids.device.type == "cpu" else None
+        ids = seq_ids
+    else:
+        host = list(seq_ids)
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in host):
+            raise ValueError(f"seq_ids: expected ints, got {seq_ids!r}")
+        ids = torch.tensor(host, dtype=torch.int32)
+    if ids.numel() != batch:
+        raise ValueError(f"seq_ids: expected {batch} ids (one per query row), got {ids.numel()}")
+    if host is not None:  # a CUDA tensor of ids cannot be checked without a sync
+        active = set(cache.active_seqs())
+        for s in host:
+            if s not in active:
+                raise ValueError(f"seq_ids: sequence {s} is not allocated in the cache")
+            if cache.length(s) == 0:
+                raise ValueError(f"seq_ids: sequence {s} is empty; append its token first")
+    return ids.to(device=cache.device, dtype=torch.int32, non_blocking=True)
+
+
+def _check_query(q: torch.Tensor, cache: PagedKVCache, check_finite: Optional[bool]) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q: expected a [batch, q_heads, head_dim] tensor, got {shape}")
+    if not q.is_floating_point():
+        raise ValueError(f"q: expected a floating dtype, got {q.dtype}")
+    B, HQ, D = q.shape
+    if D != cache.head_dim:
+        raise ValueError(f"q: head_dim {D} does not match the cache's head_dim {cache.head_dim}")
+    if HQ == 0 or HQ % cache.kv_heads:
+        raise ValueError(
+            f"q: q_heads ({HQ}) must be a positive multiple of the cache's kv_heads ({cache.kv_heads})"
+        )
+    if B == 0:
+        raise ValueError("q: expected at least one query row (batch >= 1)")
+    if q.device != cache.device:
+        raise ValueError(f"q: on {q.device}, but the cache is on {cache.device}")
+    if check_finite is None:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        check_finite = not capturing
+    if check_finite and not bool(torch.isfinite(q).all()):
+        raise ValueError("q: contains NaN or infinite values")
+
+
+def _check_scalars(alpha, scale, D: int) -> Tuple[float, float]:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 1.0 or math.isinf(alpha):
+        raise ValueError(f"alpha: expected a finite number >= 1 (1 = softmax), got {alpha!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or math.isinf(scale):
+        raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
+    return float(alpha), float(scale)
+
+
+def _check_slopes(slopes, HQ: int, cache: PagedKVCache) -> Optional[torch.Tensor]:
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor) or slopes.shape != (HQ,) or not slopes.is_floating_point():
+        got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise ValueError(f"alibi_slopes: expected a float tensor of shape ({HQ},), got {got}")
+    if slopes.device.type == "cpu" and not bool(torch.isfinite(slopes).all()):
+        raise ValueError("alibi_slopes: contains NaN or infinite values")
+    return slopes.to(device=cache.device, dtype=torch.float32)
+
+
+def decode(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    seq_ids: Union[Sequence[int], torch.Tensor],
+    policy: Optional[Policy] = None,
+    *,
+    alpha: float = 1.5,
+    scale: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+    check_finite: Optional[bool] = None,
+):
+    """One decoding step of alpha-entmax (or softmax) attention over a paged cache.
+
+    The cache must already hold each sequence's current token (append its K/V
+    first, as serving engines do); the query attends over positions
+    0 .. len-1 and sits at position len-1 for ALiBi.
+
+    Args:
+        q: [batch, q_heads, head_dim] float32/float16/bfloat16 (float64 for
+            the reference oracle); q_heads a multiple of the cache's kv_heads.
+        cache: PagedKVCache holding the sequences.
+        seq_ids: the cache slot of each query row: list of ints or an int
+            tensor [batch] (a CUDA tensor skips the host-side existence check).
+        policy: Full() (default), TopK(budget), Gaussian(...) or Certified(...).
+        alpha: entmax alpha >= 1; 1 is softmax (TopK with alpha = 1 is Quest).
+        scale: score scale, default 1/sqrt(head_dim).
+        alibi_slopes: optional float [q_heads]; score += slope * (j - pos_q),
+            slope 0 = no positional bias (NAPE mixes both).
+        out: optional [batch, q_heads, head_dim] tensor, q's dtype, written in place.
+        return_stats: also return DecodeStats (pages/tokens read, coverage,
+            final tau, certificate).
+        backend: "auto" (Triton on CUDA when available, else reference),
+            "reference" or "triton".
+        check_finite: check q for NaN/inf. This costs one host synchronisation;
+            the default (None) checks unless a CUDA graph is being captured.
+            Pass False in a latency-critical loop.
+    Returns:
+        out [batch, q_heads, head_dim] in q's dtype, or (out, DecodeStats).
+        A head whose whole row is masked (cannot happen for a non-empty
+        sequence) gets zeros, never NaN.
+    Raises:
+        ValueError naming the offending argument for bad input.
+    """
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    _check_query(q, cache, check_finite)
+    B, HQ, D = q.shape
+    alpha, scale = _check_scalars(alpha, scale, D)
+    policy = Full() if policy is None else policy
+    check_policy(policy, alpha=alpha, page_size=cache.page_size)
+    slopes = _check_slopes(alibi_slopes, HQ, cache)
+    if out is not None and (
+        not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+        or out.device != q.device
+    ):
+        raise ValueError(f"out: expected a tensor of shape {tuple(q.shape)}, dtype {q.dtype}, on {q.device}")
+    ids = _seq_tensor(seq_ids, cache, B)
+    ops = resolve_backend(backend, q.device)
+
+    sel, o, tau, ub = run_step(ops, policy, q, cache, ids, alpha, scale, slopes, need_bounds=return_stats)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if not return_stats:
+        return o
+    return o, step_stats(ops, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slopes)
+
+
+def run_step(ops, policy, q, cache, ids, alpha, scale, slopes, *, need_bounds=False):
+    """Selection + attention with the chosen backend (no validation).
+
+    Returns (selection, out, tau, quest bounds or None).
+    """
+    ub = None
+    if need_bounds or isinstance(policy, (policies.TopK, policies.Certified)):
+        ub = ops.quest_bounds(q, cache, ids, scale=scale, slopes=slopes)
+    if isinstance(policy, Full) and hasattr(ops, "dense_attend"):
+        o, tau = ops.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+        sel = ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes) if need_bounds else None
+        return sel, o, tau, ub
+    sel = _select(ops, policy, q, cache, ids, alpha, scale, slopes, ub)
+    o, tau = ops.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes, tau_init=sel.tau_hat)
+    return sel, o, tau, ub
+
+
+def _select(ops, policy, q, cache, ids, alpha, scale, slopes, ub) -> Selection:
+    if ops is _Reference:
+        return policies.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
+    return ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+
+
+def step_stats(ops, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slopes) -> DecodeStats:
+    """Per-query-head statistics and the exactness certificate."""
+    lay = scoring.page_layout(cache, ids)
+    M = lay.n_tok.shape[1]
+    S = sel.sel_heads
+    keep = attention.selection_mask(sel, M).repeat_interleave(HQ // S, dim=1)  # [B, HQ, M]
+    keep = keep & lay.valid[:, None, :]
+    pages_read = keep.sum(-1).to(torch.int32)
+    tokens_read = (keep * lay.n_tok[:, None, :]).sum(-1).to(torch.int32)
+    coverage = (tokens_read.to(torch.float32) / lay.seq_len[:, None].clamp(min=1).to(torch.float32))
+    slack = scoring.bound_slack(q, cache, ids, scale=scale, slopes=slopes, layout=lay)
+    certified = ops.certify(ub, sel, tau, alpha, lay.seq_len, page_size=cache.page_size, slack=slack)
+    return DecodeStats(pages_read, tokens_read, coverage, tau.to(torch.float32), certified)

@@ -1,0 +1,344 @@
+"""A compact decoder-only language model with entmax or softmax attention.
+
+Pre-norm blocks of RMSNorm -> grouped-query attention -> residual, RMSNorm
+-> SwiGLU -> residual; tied input/output embeddings. Positions are either
+NAPE (the first half of the query heads use ALiBi, the other half no
+positional signal at all) or RoPE, chosen in the config.
+
+Two ways to run it:
+
+- ``forward(tokens)``: full causal attention in PyTorch (training, and the
+  reference for everything else). Entmax attention calls
+  ``entmaxkv.entmax.entmax`` on the materialised score rows.
+- ``prefill`` / ``decode_step``: the serving path. Prefill runs the same
+  full causal attention and writes every layer's K/V into that layer's
+  ``PagedKVCache``; each decode step appends the new token's K/V and runs
+  attention through ``entmaxkv.decode`` with any selection policy.
+
+Shapes: B batch, T tokens, H query heads, KV key/value heads, G = H // KV,
+D head dim, C d_model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    """Every hyper-parameter of the model (stored next to the weights as JSON)."""
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    d_ff: int = 704
+    attention: str = "entmax"  # "entmax" or "softmax"
+    alpha: float = 1.5  # entmax alpha (ignored for softmax)
+    positions: str = "nape"  # "nape" (half ALiBi, half NoPE), "rope", "alibi", "nope"
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    train_context: int = 2048  # informational: the context it was trained at
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("entmax", "softmax"):
+            raise ValueError(f"attention: expected 'entmax' or 'softmax', got {self.attention!r}")
+        if self.attention == "entmax" and not self.alpha > 1.0:
+            raise ValueError(f"alpha: entmax needs alpha > 1, got {self.alpha}")
+        if self.positions not in ("nape", "rope", "alibi", "nope"):
+            raise ValueError(f"positions: unknown scheme {self.positions!r}")
+        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError("d_model must divide by n_heads and n_heads by n_kv_heads")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError("rope needs an even head_dim")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def attn_alpha(self) -> float:
+        """The alpha that ``entmaxkv.decode`` takes: 1.0 means softmax."""
+        return float(self.alpha) if self.attention == "entmax" else 1.0
+
+    def alibi_slopes(self) -> List[float]:
+        """Per query head ALiBi slope (0 = no positional bias).
+
+        NAPE: the first half of the heads get the geometric slopes
+        2^(-8 i / n) (i = 1..n, n = heads with ALiBi), the rest 0. With GQA
+        the ALiBi heads then share KV heads among themselves.
+        """
+        H = self.n_heads
+        n = {"nape": H // 2, "alibi": H}.get(self.positions, 0)
+        slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)] if n else []
+        return slopes + [0.0] * (H - n)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# ----------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form). x [..., T, heads, D], positions [..., T]."""
+    D = x.shape[-1]
+    inv = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
+    ang = positions.to(torch.float32)[..., None] * inv  # [..., T, D/2]
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]  # [..., T, 1, D/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    alpha: float,
+    scale: float,
+    slopes: torch.Tensor,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """Full causal attention, the reference for training and prefill.
+
+    q [B, H, T, D]; k, v [B, KV, T, D]; slopes float32 [H]. Score of query i
+    on key j <= i: scale * q_i.k_j + slope_h * (j - i). Softmax when
+    alpha == 1, else alpha-entmax over each row. ``chunk`` splits the
+    queries into blocks (block c only scores keys up to its end), which
+    bounds the [B, H, chunk, T] score tensor for long prefills.
+    Returns [B, H, T, D] in v's dtype.
+    """
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    chunk = T if chunk is None else max(1, min(chunk, T))
+    outs = []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        C = end - start
+        qc = q[:, :, start:end]  # [B, H, C, D]
+        kc, vc = k[:, :, :end], v[:, :, :end]  # [B, KV, end, D]
+        rel = (torch.arange(end, device=q.device)[None, :]
+               - torch.arange(start, end, device=q.device)[:, None])  # [C, end]: j - i
+        bias = slopes.view(H, 1, 1).to(torch.float32) * rel.to(torch.float32)  # [H, C, end]
+        bias = bias.masked_fill(rel > 0, float("-inf"))
+        if alpha == 1.0:
+            kr = kc.repeat_interleave(G, dim=1)  # [B, H, end, D]
+            vr = vc.repeat_interleave(G, dim=1)
+            o = F.scaled_dot_product_attention(
+                qc, kr, vr, attn_mask=bias.to(qc.dtype)[None], scale=scale
+            )  # [B, H, C, D]
+        else:
+            from ..entmax import entmax
+
+            # Grouped scores without repeating K: head h = kv * G + g.
+            qg = qc.reshape(B, KV, G * C, D)
+            s = torch.matmul(qg, kc.transpose(-1, -2)).float()  # [B, KV, G*C, end]
+            s = s.view(B, H, C, end) * scale + bias
+            p = entmax(s, alpha, dim=-1)  # [B, H, C, end]
+            o = torch.matmul(p.to(vc.dtype).view(B, KV, G * C, end), vc).view(B, H, C, D)
+        outs.append(o.to(v.dtype))
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, KV, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+        self.wq = nn.Linear(C, H * D, bias=False)
+        self.wk = nn.Linear(C, KV * D, bias=False)
+        self.wv = nn.Linear(C, KV * D, bias=False)
+        self.wo = nn.Linear(H * D, C, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, C], positions [B, T] or [T] -> q [B, T, H, D], k, v [B, T, KV, D]."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, cfg.n_heads, cfg.head_dim)
+        k = self.wk(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = self.wv(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.positions == "rope":
+            q = rope_rotate(q, positions, cfg.rope_base)
+            k = rope_rotate(k, positions, cfg.rope_base)
+        return q, k, v
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+
+# ------------------------------------------------------------------------ model
+class TransformerLM(nn.Module):
+    """Decoder-only LM; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.register_buffer(
+            "slopes", torch.tensor(cfg.alibi_slopes(), dtype=torch.float32), persistent=False
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                # Residual-branch outputs scaled down with depth (GPT-2 style).
+                s = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w_down.weight")) else std
+                nn.init.normal_(p, mean=0.0, std=s)
+            else:
+                nn.init.ones_(p)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.cfg.head_dim)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.embed.weight)  # tied output embedding
+
+    def _attn_full(self, blk: Block, h: torch.Tensor, positions: torch.Tensor, chunk):
+        q, k, v = blk.attn.project(h, positions)  # [B, T, H|KV, D]
+        o = causal_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            alpha=self.cfg.attn_alpha, scale=self.scale, slopes=self.slopes, chunk=chunk,
+        )  # [B, H, T, D]
+        B, T = h.shape[:2]
+        return blk.attn.wo(o.transpose(1, 2).reshape(B, T, -1)), k, v
+
+    def forward(self, tokens: torch.Tensor, *, chunk: Optional[int] = None) -> torch.Tensor:
+        """tokens long [B, T] -> logits [B, T, vocab] (full causal attention)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            a, _, _ = self._attn_full(blk, blk.attn_norm(x), positions, chunk)
+            x = x + a
+            x = x + blk.mlp(blk.mlp_norm(x))
+        return self._logits(x)
+
+    # -------------------------------------------------------------- serving
+    @torch.no_grad()
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        caches: Sequence,
+        slots: Sequence[int],
+        *,
+        chunk: Optional[int] = 1024,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run the prompt with full attention and fill one cache per layer.
+
+        tokens long [B, T] (one row per slot, all of length T; the slots must
+        be empty or hold exactly the tokens before these). Returns the logits
+        of the last position [B, vocab], or of every position [B, T, vocab]
+        with ``all_logits``.
+        """
+        B, T = tokens.shape
+        start = caches[0].length(slots[0])
+        if start:
+            raise ValueError("prefill expects empty slots (use decode_step to extend)")
+        positions = torch.arange(T, device=tokens.device)
+        x = self.embed(tokens)
+        for blk, cache in zip(self.blocks, caches):
+            a, k, v = self._attn_full(blk, blk.attn_norm(x), positions, chunk)
+            for b, slot in enumerate(slots):
+                cache.prefill(slot, k[b], v[b], check_finite=False)  # [T, KV, D]
+            x = x + a
+            x = x + blk.mlp(blk.mlp_norm(x))
+        return self._logits(x if all_logits else x[:, -1])
+
+    @torch.no_grad()
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        caches: Sequence,
+        slots: Sequence[int],
+        policy,
+        *,
+        positions: torch.Tensor,
+        return_stats: bool = False,
+        backend: str = "auto",
+        layer_hook=None,
+    ):
+        """One token per sequence through every layer's paged cache.
+
+        tokens long [B]; positions long [B] (the index each token gets, i.e.
+        the cache length before this step). Each layer appends the token's
+        K/V to its cache, then calls ``entmaxkv.decode`` with ``policy``.
+        ``layer_hook(layer, q, cache, seq_ids)`` (optional) is called with
+        the layer's query [B, H, D] after the append, e.g. to capture
+        activations. Returns logits [B, vocab] and, with ``return_stats``,
+        a list of per-layer DecodeStats.
+        """
+        from ..decode import decode
+
+        cfg = self.cfg
+        B = tokens.shape[0]
+        seq_ids = torch.as_tensor(list(slots), dtype=torch.int32, device=tokens.device)
+        x = self.embed(tokens)[:, None]  # [B, 1, C]
+        stats = []
+        for layer, (blk, cache) in enumerate(zip(self.blocks, caches)):
+            q, k, v = blk.attn.project(blk.attn_norm(x), positions[:, None])  # [B, 1, *, D]
+            cache.append(list(slots), k[:, 0], v[:, 0])
+            q = q[:, 0]  # [B, H, D]
+            if layer_hook is not None:
+                layer_hook(layer, q, cache, seq_ids)
+            res = decode(
+                q, cache, seq_ids, policy, alpha=cfg.attn_alpha, scale=self.scale,
+                alibi_slopes=self.slopes, return_stats=return_stats, backend=backend,
+            )
+            if return_stats:
+                o, st = res
+                stats.append(st)
+            else:
+                o = res
+            x = x + blk.attn.wo(o.reshape(B, 1, -1).to(x.dtype))
+            x = x + blk.mlp(blk.mlp_norm(x))
+        logits = self._logits(x[:, 0])
+        return (logits, stats) if return_stats else logits

@@ -1,0 +1,263 @@
+"""Page selection policies (SPEC section 5): each maps scores to a Selection.
+
+A policy is a small frozen dataclass of parameters; ``select`` turns it into
+fixed-shape tensors. Every policy always keeps the last (still filling)
+page, plus optional attention sinks (the first ``sinks`` pages) and a local
+window (the last ``window`` pages).
+
+GQA: by default one selection per KV head, the union over its query group,
+so a selected page is read once for the whole group; ``per_query_head=True``
+selects for each query head separately.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from .attention import attend, selection_mask
+from .cache import PagedKVCache
+from .gaussian import normal_icdf, pooled_moments, solve_tau_hat
+from .scoring import PageLayout, bound_slack, gaussian_stats, page_layout, quest_bounds
+from .types import Selection
+
+
+@dataclass(frozen=True)
+class Full:
+    """Read every page: dense attention over the whole cache."""
+
+    per_query_head: bool = False
+    name = "full"
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Quest-style top-k: the budget//page_size pages of highest Quest bound.
+
+    The forced pages (last page, sinks, window) come first; the rest of the
+    page budget goes to the highest-bound pages. With alpha = 1 this is Quest.
+
+    Attributes:
+        budget: token budget (>= page size); pages kept = max(budget // P, forced).
+    """
+
+    budget: int = 1024
+    sinks: int = 0
+    window: int = 0
+    per_query_head: bool = False
+    name = "topk"
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    """Gaussian-aware selection with an estimated entmax threshold tau_hat.
+
+    Attributes:
+        q_max: quantile of a page's largest score used to screen it (z =
+            Phi^{-1}(q_max^(1/n)) for a page of n tokens).
+        margin: >= 0, in tau units: pages are kept when
+            (alpha-1) * (mu + z sigma) > tau_hat - margin.
+        pooled: one pooled Gaussian for the whole row instead of the
+            page mixture when solving for tau_hat (cheaper, coarser).
+    """
+
+    q_max: float = 0.995
+    margin: float = 0.0
+    pooled: bool = False
+    sinks: int = 0
+    window: int = 0
+    per_query_head: bool = False
+    name = "gaussian"
+
+
+@dataclass(frozen=True)
+class Certified:
+    """Selection that provably contains the entmax support (delta = 0).
+
+    Start from ``seed``'s selection A, solve tau_A exactly over it, then add
+    every page with (alpha-1) * u_p > tau_A. Because tau over a subset never
+    exceeds tau over a superset (SPEC section 1), every page still left out
+    satisfies (alpha-1) * u_p <= tau_A <= tau_{A'} <= tau_full: one
+    augmentation already certifies the result, so the loop of SPEC section 5
+    always stops after this round (its second pass adds nothing).
+    """
+
+    seed: Union[TopK, Gaussian] = field(default_factory=lambda: TopK(1024))
+    sinks: int = 0
+    window: int = 0
+    per_query_head: bool = False
+    name = "certified"
+
+
+Policy = Union[Full, TopK, Gaussian, Certified]
+POLICIES = {"full": Full, "topk": TopK, "gaussian": Gaussian, "certified": Certified}
+
+
+def check_policy(policy, *, alpha: float, page_size: int) -> None:
+    """Raise ValueError for a policy that cannot run with these settings."""
+    if not isinstance(policy, (Full, TopK, Gaussian, Certified)):
+        raise ValueError(
+            f"policy: expected Full, TopK, Gaussian or Certified, got {type(policy).__name__}"
+        )
+    for name in ("sinks", "window"):
+        val = getattr(policy, name, 0)
+        if not isinstance(val, int) or val < 0:
+            raise ValueError(f"policy.{name}: expected an int >= 0, got {val!r}")
+    if isinstance(policy, TopK):
+        if not isinstance(policy.budget, int) or policy.budget < page_size:
+            raise ValueError(
+                f"policy.budget: expected an int >= page_size ({page_size}), got {policy.budget!r}"
+            )
+    if isinstance(policy, Gaussian):
+        if not 0.0 < policy.q_max < 1.0:
+            raise ValueError(f"policy.q_max: expected a value in (0, 1), got {policy.q_max!r}")
+        if not policy.margin >= 0.0 or math.isinf(policy.margin):
+            raise ValueError(f"policy.margin: expected a finite value >= 0, got {policy.margin!r}")
+    if isinstance(policy, (Gaussian, Certified)) and alpha <= 1.0:
+        raise ValueError(
+            f"policy: {policy.name} needs entmax (alpha > 1); softmax (alpha = 1) has no "
+            "sparse support to find: use Full or TopK"
+        )
+    if isinstance(policy, Certified):
+        if isinstance(policy.seed, Certified) or not isinstance(policy.seed, (TopK, Gaussian)):
+            raise ValueError("policy.seed: expected a TopK or Gaussian policy")
+        check_policy(policy.seed, alpha=alpha, page_size=page_size)
+
+
+def forced_pages(policy, lay: PageLayout) -> torch.Tensor:
+    """bool [B, M]: pages every policy keeps (last page, sinks, window)."""
+    M = lay.n_tok.shape[1]
+    idx = torch.arange(M, device=lay.n_tok.device)[None, :]
+    npages = lay.num_pages[:, None]
+    sinks = getattr(policy, "sinks", 0)
+    window = max(getattr(policy, "window", 0), 1)  # the last page always
+    forced = (idx < sinks) | (idx >= npages - window)
+    return forced & lay.valid
+
+
+def compact(keep: torch.Tensor, width: Optional[int] = None) -> Selection:
+    """bool [B, S, M] page mask -> Selection (ascending pages, padded).
+
+    Sorting the key (page if kept else M + page) puts kept pages first in
+    ascending order with a fixed output width; no host synchronisation.
+    """
+    B, S, M = keep.shape
+    idx = torch.arange(M, device=keep.device)
+    key = torch.where(keep, idx, idx + M)
+    pages = key.sort(dim=-1).values
+    if width is not None:
+        pages = pages[..., :width]
+    counts = keep.sum(-1).to(torch.int32)
+    pages = torch.where(pages < M, pages, torch.zeros_like(pages))
+    return Selection(pages.to(torch.int32), counts)
+
+
+def _by_selection_head(x: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, HQ, M] -> [B, S, G', M] with G' = HQ // S heads per selection head."""
+    B, HQ, M = x.shape
+    return x.view(B, S, HQ // S, M)
+
+
+def _sel_heads(policy, cache: PagedKVCache, HQ: int) -> int:
+    return HQ if getattr(policy, "per_query_head", False) else cache.kv_heads
+
+
+def select(
+    policy: Policy,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    seq_ids: torch.Tensor,
+    *,
+    alpha: float,
+    scale: float,
+    slopes: Optional[torch.Tensor] = None,
+    layout: Optional[PageLayout] = None,
+    ub: Optional[torch.Tensor] = None,
+) -> Selection:
+    """Choose pages for a batch of queries (reference implementation).
+
+    Args:
+        policy: Full, TopK, Gaussian or Certified.
+        q: [B, HQ, D]; seq_ids: int [B] cache slots; alpha >= 1; scale > 0;
+        slopes: optional [HQ] ALiBi slopes; ub: precomputed Quest bounds.
+    Returns:
+        Selection with pages int32 [B, S, W] (W = M, or the page budget for
+        TopK), counts int32 [B, S], tau_hat float [B, HQ] for Gaussian.
+    """
+    lay = layout if layout is not None else page_layout(cache, seq_ids)
+    B, HQ, _ = q.shape
+    S = _sel_heads(policy, cache, HQ)
+    M = lay.n_tok.shape[1]
+    forced = forced_pages(policy, lay)[:, None, :].expand(B, S, M)
+
+    if isinstance(policy, Full):
+        return compact(lay.valid[:, None, :].expand(B, S, M))
+
+    if isinstance(policy, TopK):
+        if ub is None:
+            ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+        # Rank a page by its best bound over the heads that share the selection.
+        rank = _by_selection_head(ub, S).amax(2)  # [B, S, M]
+        rank = torch.where(forced, torch.full_like(rank, float("inf")), rank)
+        k_pages = max(policy.budget // cache.page_size, 1)
+        n_forced_max = 1 + policy.sinks + policy.window
+        width = min(M, max(k_pages, n_forced_max))
+        top = rank.topk(width, dim=-1)
+        # Forced pages (+inf) rank first: the kept entries are a prefix.
+        n_forced = forced.sum(-1)
+        count = torch.minimum(
+            torch.clamp(n_forced, min=k_pages), (top.values > float("-inf")).sum(-1)
+        )
+        keep = torch.zeros(B, S, M, dtype=torch.bool, device=q.device)
+        in_prefix = torch.arange(width, device=q.device) < count[..., None]
+        keep.scatter_(2, top.indices, in_prefix)
+        return compact(keep, width)
+
+    if isinstance(policy, Gaussian):
+        return _select_gaussian(policy, q, cache, seq_ids, lay, forced, S, alpha, scale, slopes)
+
+    if isinstance(policy, Certified):
+        if ub is None:
+            ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+        seed = select(
+            policy.seed, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes,
+            layout=lay, ub=ub,
+        )
+        seed_mask = selection_mask(seed, M)
+        if seed.sel_heads != S:  # seed per query head, certified per KV head: union
+            seed_mask = seed_mask.view(B, S, -1, M).any(2)
+            seed = compact(seed_mask)
+        _, tau_a = attend(
+            q, cache, seq_ids, seed, alpha=alpha, scale=scale, slopes=slopes,
+            tau_init=seed.tau_hat, layout=lay,
+        )
+        slack = bound_slack(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+        add = (alpha - 1.0) * (ub + slack) > tau_a[..., None]  # [B, HQ, M]
+        add = _by_selection_head(add, S).any(2) & lay.valid[:, None, :]
+        return compact(seed_mask | add | forced)
+
+    raise ValueError(f"policy: unknown policy {policy!r}")
+
+
+def _select_gaussian(policy, q, cache, seq_ids, lay, forced, S, alpha, scale, slopes):
+    """Gaussian-aware selection: estimate tau_hat, keep pages whose high
+    quantile clears it (SPEC section 5)."""
+    B, HQ, _ = q.shape
+    mu, sigma, n = gaussian_stats(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+    w = n[:, None, :].expand_as(mu)
+    if policy.pooled:
+        mu_g, sigma_g, n_g = pooled_moments(mu, sigma, w)
+        tau_hat = solve_tau_hat(mu_g[..., None], sigma_g[..., None], n_g[..., None], alpha)
+    else:
+        tau_hat = solve_tau_hat(mu, sigma, w, alpha)
+    # z for the largest of n Gaussian draws: Phi(z)^n = q_max (n = tokens in the page).
+    n_safe = n.clamp(min=1)
+    z = normal_icdf(torch.as_tensor(policy.q_max, dtype=mu.dtype, device=mu.device) ** (1.0 / n_safe))
+    hi = (alpha - 1.0) * (mu + z[:, None, :] * sigma)
+    keep = hi > (tau_hat[..., None] - policy.margin)
+    keep = _by_selection_head(keep, S).any(2) & lay.valid[:, None, :]
+    sel = compact(keep | forced)
+    sel.tau_hat = tau_hat.to(torch.float32) if mu.dtype != torch.float64 else tau_hat
+    return sel

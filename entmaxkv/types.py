@@ -1,0 +1,65 @@
+"""Small named types that cross pipeline stages.
+
+Every field is a tensor of fixed shape (no Python lists on the hot path), so
+a decode step can be captured in a CUDA graph and sharded by pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Selection:
+    """Pages chosen for attention, per batch row and per selection head.
+
+    Attributes:
+        pages:   int32 [batch, sel_heads, width]: *logical* page indices (the
+                 position of a page in its sequence's block table, 0-based).
+                 Entries ``>= counts`` are padding and must be ignored; the
+                 valid entries are distinct and sorted ascending.
+        counts:  int32 [batch, sel_heads]: number of valid entries per row.
+        tau_hat: float32 [batch, q_heads] or None: the policy's estimate of the
+                 entmax threshold (a warm start for the exact solve).
+
+    ``sel_heads`` is ``kv_heads`` (default: one selection per KV head, the
+    union over its query-head group, so each page is read once per group) or
+    ``q_heads`` (per-query-head selection).
+    """
+
+    pages: torch.Tensor
+    counts: torch.Tensor
+    tau_hat: Optional[torch.Tensor] = None
+
+    @property
+    def sel_heads(self) -> int:
+        return self.pages.shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.pages.shape[2]
+
+
+@dataclass
+class DecodeStats:
+    """Per-query-head statistics of one decode step (all [batch, q_heads]).
+
+    Attributes:
+        pages_read:  int32, pages whose K/V the head attended over.
+        tokens_read: int32, valid tokens in those pages.
+        coverage:    float32, tokens_read / sequence length.
+        tau:         float32, the exact threshold solved over the kept tokens
+                     (for softmax, alpha = 1: the log-sum-exp of the kept scores).
+        certified:   bool, True when the result provably equals full-cache
+                     attention: every unselected page has (alpha-1) * bound
+                     <= tau (SPEC section 5); always False for softmax unless
+                     every page was read.
+    """
+
+    pages_read: torch.Tensor
+    tokens_read: torch.Tensor
+    coverage: torch.Tensor
+    tau: torch.Tensor
+    certified: torch.Tensor
