@@ -234,7 +234,7 @@ class PagedKVCache:
         self._active[seq] = False
         heapq.heappush(self._free_slots, seq)
         self.block_table[seq].zero_()
-        self.seq_lens[seq] = 0
+        self.seq_lens[seq].fill_(0)
 
     def length(self, seq: int) -> int:
         """Number of tokens held by sequence ``seq`` (host mirror, no sync)."""
@@ -258,6 +258,9 @@ class PagedKVCache:
         The sequence may already hold tokens (its last page partially filled),
         so this is also ``extend``. The statistics of every touched page are
         recomputed from the stored (rounded) keys.
+
+        Temporary memory: a few float32 copies of the touched pages (the
+        statistics are reduced in float32); split very long prompts.
 
         Args:
             seq: an allocated slot id.
@@ -285,7 +288,7 @@ class PagedKVCache:
         new_len = old_len + n
         have = len(self._pages[seq])
         total = _ceil_div(new_len, P)
-        self._reserve(total - have, max(total, 0), f"prefill of {n} tokens into seq {seq}")
+        self._reserve(total - have, total, f"prefill of {n} tokens into seq {seq}")
 
         # Host bookkeeping: take the new pages from the free list.
         new_pages = [self._free.pop() for _ in range(total - have)]
@@ -298,7 +301,7 @@ class PagedKVCache:
         # Block table and length on the device.
         if new_pages:
             self.block_table[seq, have:total] = self._index_tensor(new_pages, torch.int32)
-        self.seq_lens[seq] = new_len
+        self.seq_lens[seq].fill_(new_len)  # a kernel; item assignment would sync
 
         # Scatter tokens: token old_len + t goes to page (old_len + t) // P,
         # row (old_len + t) % P.
@@ -353,18 +356,18 @@ class PagedKVCache:
         longest = max(self._lens[s] // P + 1 for s in ids)
         self._reserve(need, longest, f"append to {len(ids)} sequence(s)")
 
-        # Host side: where each token goes. Columns: slot, physical page,
-        # row in the page, logical page, new length.
-        cols: List[List[int]] = [[], [], [], [], []]
+        # Host side: where each token goes, one (slot, physical page, row in
+        # the page, logical page, new length) per sequence.
+        where = []
         for s in ids:
             length = self._lens[s]
             lpage, row = divmod(length, P)
             if row == 0:
                 self._pages[s].append(self._free.pop())
             self._lens[s] = length + 1
-            for c, x in zip(cols, (s, self._pages[s][lpage], row, lpage, length + 1)):
-                c.append(x)
-        slot, phys, row, lpage, new_len = self._index_tensor(cols, torch.int64).unbind(0)
+            where.append((s, self._pages[s][lpage], row, lpage, length + 1))
+        columns = list(zip(*where))  # 5 tuples of B ints
+        slot, phys, row, lpage, new_len = self._index_tensor(columns, torch.int64).unbind(0)
 
         # Rewriting an existing block-table entry with its own value is
         # harmless and avoids a data-dependent mask.
@@ -422,6 +425,7 @@ class PagedKVCache:
         shuffle: bool = True,
         generator: Optional[torch.Generator] = None,
         device: Optional[Union[str, torch.device]] = None,
+        max_seqs: Optional[int] = None,
         max_pages_per_seq: Optional[int] = None,
     ) -> Tuple["PagedKVCache", List[int]]:
         """Build a cache holding a padded batch of sequences (for tests/benchmarks).
@@ -440,6 +444,7 @@ class PagedKVCache:
             shuffle: scatter the pages in random physical order.
             generator: CPU ``torch.Generator`` for the shuffle.
             device: defaults to ``k.device``.
+            max_seqs: slots; defaults to ``batch`` (more leave free slots).
             max_pages_per_seq: defaults to the total number of pages.
 
         Returns:
@@ -466,13 +471,15 @@ class PagedKVCache:
         if isinstance(spare_pages, bool) or not isinstance(spare_pages, int) or spare_pages < 0:
             raise ValueError(f"spare_pages must be a non-negative int, got {spare_pages!r}")
 
+        if max_seqs is not None and _positive_int(max_seqs, "max_seqs") < batch:
+            raise ValueError(f"max_seqs must be at least batch={batch}, got {max_seqs}")
         needed = sum(_ceil_div(n, page_size) for n in lens)
         cache = cls(
             max(needed + spare_pages, 1),
             page_size,
             k.shape[2],
             k.shape[3],
-            max_seqs=max(batch, 1),
+            max_seqs=max(batch, 1) if max_seqs is None else max_seqs,
             max_pages_per_seq=max_pages_per_seq,
             dtype=k.dtype if dtype is None else dtype,
             device=k.device if device is None else device,

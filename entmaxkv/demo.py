@@ -20,10 +20,9 @@ import torch
 from tqdm import tqdm
 
 from .cache import PagedKVCache
-from .decode import decode
+from .decode import decode, resolve_backend, run_step
 from .metrics import evaluate_selection
 from .policies import Certified, Full, Gaussian, TopK
-from . import decode as decode_mod
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,6 +38,13 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="cache dtype (default float16)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--data", choices=["normal", "clustered"], default="normal",
+                   help="normal: i.i.d. standard-normal Q/K/V (the paper's synthetic setting); "
+                   "clustered: keys drift around a new random centre every --cluster tokens, "
+                   "with --noise spread, as locality in real caches (default normal)")
+    g.add_argument("--cluster", type=int, default=16, help="tokens per key cluster for --data clustered")
+    g.add_argument("--noise", type=float, default=0.3, help="within-cluster key noise for --data clustered")
+    g.add_argument("--q-scale", type=float, default=1.0, help="multiply queries by this (sharper attention)")
     g = p.add_argument_group("attention and policies")
     g.add_argument("--alpha", type=float, default=1.5, help="entmax alpha > 1 for the entmax rows (default 1.5)")
     g.add_argument("--alibi", action="store_true", help="add ALiBi slopes to half the heads (NAPE)")
@@ -75,6 +81,16 @@ def nape_slopes(q_heads: int) -> torch.Tensor:
     return torch.cat([s, torch.zeros(q_heads - half)])
 
 
+def synthetic_keys(args, n: int, H: int, D: int, gen: torch.Generator) -> torch.Tensor:
+    """float32 [n, H, D] keys with unit variance per coordinate."""
+    if args.data == "normal":
+        return torch.randn(n, H, D, generator=gen)
+    centres = torch.randn(-(-n // args.cluster), H, D, generator=gen)
+    k = centres.repeat_interleave(args.cluster, dim=0)[:n]
+    k = k + args.noise * torch.randn(n, H, D, generator=gen)
+    return k / math.sqrt(1.0 + args.noise**2)
+
+
 def build_cache(args, device) -> tuple:
     gen = torch.Generator().manual_seed(args.seed)
     B, n, H, D = args.batch, args.seq_len, args.kv_heads, args.head_dim
@@ -85,12 +101,13 @@ def build_cache(args, device) -> tuple:
     )
     seqs = []
     for _ in tqdm(range(B), desc="prefill", file=sys.stderr, leave=False):
-        k = torch.randn(n, H, D, generator=gen)
+        k = synthetic_keys(args, n, H, D, gen)
         v = torch.randn(n, H, D, generator=gen)
         s = cache.allocate()
         cache.prefill(s, k.to(device), v.to(device))
         seqs.append(s)
-    q = torch.randn(B, args.q_heads, D, generator=gen).to(device=device, dtype=DTYPES[args.dtype])
+    q = torch.randn(B, args.q_heads, D, generator=gen) * args.q_scale
+    q = q.to(device=device, dtype=DTYPES[args.dtype])
     return cache, seqs, q
 
 
@@ -134,8 +151,8 @@ def run_demo(args) -> List[Row]:
             _sync(device)
             times.append(time.perf_counter() - t0)
         # The selection the decode used, for token-level metrics.
-        ops = decode_mod.resolve_backend("auto", device)
-        sel, _, _, _ = decode_mod.run_step(ops, pol, q, cache, ids, alpha, scale, slopes, need_bounds=True)
+        ops = resolve_backend("auto", device)
+        sel, _, _, _ = run_step(ops, pol, q, cache, ids, alpha, scale, slopes, need_bounds=True)
         qual = evaluate_selection(q, cache, seqs, sel, out, alpha=alpha, scale=scale, slopes=slopes)
         times.sort()
         rows.append(Row(

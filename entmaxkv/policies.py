@@ -226,9 +226,10 @@ def select(
             layout=lay, ub=ub,
         )
         seed_mask = selection_mask(seed, M)
-        if seed.sel_heads != S:  # seed per query head, certified per KV head: union
+        if seed.sel_heads > S:  # seed per query head, certified per KV head: union
             seed_mask = seed_mask.view(B, S, -1, M).any(2)
-            seed = compact(seed_mask)
+        elif seed.sel_heads < S:  # seed per KV head, certified per query head: copy
+            seed_mask = seed_mask.repeat_interleave(S // seed.sel_heads, dim=1)
         _, tau_a = attend(
             q, cache, seq_ids, seed, alpha=alpha, scale=scale, slopes=slopes,
             tau_init=seed.tau_hat, layout=lay,

@@ -295,6 +295,8 @@ def test_from_dense_random_block_tables():
         generator=torch.Generator().manual_seed(11),
     )
     assert torch.equal(again.block_table, first.block_table)
+    roomy, _ = PagedKVCache.from_dense(k, v, lens, P, spare_pages=1, max_seqs=6)
+    assert roomy.max_seqs == 6 and roomy.allocate() == B and roomy.dtype == torch.float32
 
 
 # -------------------------------------------------------- full pool, atomic
@@ -459,6 +461,8 @@ def test_from_dense_rejects_bad_arguments():
         PagedKVCache.from_dense(k, k, [5, 4], 2, spare_pages=-1)
     with pytest.raises(ValueError, match="page_size"):
         PagedKVCache.from_dense(k, k, [5, 4], 0)
+    with pytest.raises(ValueError, match="max_seqs"):
+        PagedKVCache.from_dense(k, k, [5, 4], 2, max_seqs=1)
 
 
 # ------------------------------------------------ random programs (model check)
@@ -555,8 +559,8 @@ def test_cuda_matches_cpu_without_host_sync(dtype):
     k, v = torch.randn(3, 40, 2, 8, generator=gen), torch.randn(3, 40, 2, 8, generator=gen)
     lens = [40, 17, 5]
     caches = [
-        PagedKVCache.from_dense(k.to(dev), v.to(dev), lens, 8, dtype=dtype, spare_pages=8,
-                                generator=torch.Generator().manual_seed(1))
+        PagedKVCache.from_dense(k.to(dev), v.to(dev), lens, 8, dtype=dtype, spare_pages=9,
+                                max_seqs=4, generator=torch.Generator().manual_seed(1))
         for dev in ("cpu", "cuda")
     ]
     assert caches[1][0].device.type == "cuda" and caches[1][0].seq_lens.is_cuda
@@ -578,6 +582,9 @@ def test_cuda_matches_cpu_without_host_sync(dtype):
         torch.cuda.set_sync_debug_mode("error")
         try:
             cache.extend(slots[2], kk, vv, check_finite=False)
+            tmp = cache.allocate()
+            cache.prefill(tmp, kk[:3], vv[:3], check_finite=False)
+            cache.free(tmp)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for name in ("k_pages", "v_pages", "k_min", "k_max", "block_table", "seq_lens"):

@@ -33,6 +33,9 @@ def test_bad_sequences(small):
         decode(q, cache, [slots[0], 99])
     with pytest.raises(ValueError, match="seq_ids"):
         decode(q, cache, [slots[0]])
+    cache.free(slots[1])
+    with pytest.raises(ValueError, match="not allocated"):
+        decode(q, cache, slots)
     empty = cache.allocate()
     with pytest.raises(ValueError, match="empty"):
         decode(q, cache, [slots[0], empty])

@@ -176,6 +176,9 @@ class BatchRecipe:
     p_passkey: float = 0.3  # fraction of rows that start with a passkey example
     min_passkey_len: int = 256  # shortest passkey example (prompt + answer)
     answer_weight: float = 5.0  # loss weight of the answer digits (others 1)
+    p_copy: float = 0.0  # fraction of rows with a random digit string written twice
+    copy_len: Tuple[int, int] = (32, 160)  # length range of that string
+    copy_weight: float = 2.0  # loss weight of the second copy (predictable only by copying)
 
 
 def sample_batch(
@@ -208,6 +211,20 @@ def sample_batch(
             x[b] = row[: T + 1]
             a = len(prompt)  # token index of the first answer digit
             w[b, a - 1:a - 1 + PK_DIGITS] = recipe.answer_weight
+        elif rng.random() < recipe.p_copy / max(1e-9, 1.0 - recipe.p_passkey):
+            # Text with the same random digit string at two random places: the
+            # second copy can only be predicted by looking back (induction).
+            n = int(rng.integers(recipe.copy_len[0], min(recipe.copy_len[1], T // 3) + 1))
+            digits = rng.integers(0, 10, size=n)
+            s = encode(" ".join("".join(str(d) for d in digits[i:i + 5]) for i in range(0, n, 5)))
+            s = np.concatenate([encode("\nserial = '"), s, encode("'\n")])
+            row = crop(T + 1).copy()
+            a = int(rng.integers(0, T + 1 - 2 * len(s)))
+            c = int(rng.integers(a + len(s), T + 2 - len(s)))
+            row[a:a + len(s)] = s
+            row[c:c + len(s)] = s
+            x[b] = row
+            w[b, c + 10:c + len(s) - 1] = recipe.copy_weight  # targets inside the 2nd copy
         else:
             x[b] = crop(T + 1)
     return x, w

@@ -56,40 +56,55 @@ class DecodeSession:
     """
 
     def __init__(self, model: TransformerLM, batch: int, max_len: int, *, page_size: int = 16,
-                 cache_dtype: Optional[torch.dtype] = None, backend: str = "auto") -> None:
+                 cache_dtype: Optional[torch.dtype] = None, backend: str = "auto",
+                 copies: int = 1) -> None:
         cfg = model.cfg
         p = next(model.parameters())
         self.model, self.device, self.backend = model, p.device, backend
         dtype = cache_dtype or p.dtype
         per_seq = -(-max_len // page_size)
+        n = batch * copies
         self.caches = [
-            PagedKVCache(batch * per_seq, page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=batch,
+            PagedKVCache(n * per_seq, page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=n,
                          max_pages_per_seq=per_seq, dtype=dtype, device=p.device)
             for _ in range(cfg.n_layers)
         ]
-        self.slots = [self.caches[0].allocate() for _ in range(batch)]
+        slots = [self.caches[0].allocate() for _ in range(n)]
         for c in self.caches[1:]:
-            assert [c.allocate() for _ in range(batch)] == self.slots
-        self.length = 0
+            assert [c.allocate() for _ in range(n)] == slots
+        # Copy i (a separate decode stream over the same prompt) owns slots[i].
+        self.slots = [slots[i * batch:(i + 1) * batch] for i in range(copies)]
+        self.lengths = [0] * copies
         self.batch = batch
 
-    def prefill(self, tokens: torch.Tensor, *, chunk: Optional[int] = 1024) -> torch.Tensor:
-        """tokens long [batch, T] -> logits of the last position [batch, vocab]."""
+    @property
+    def length(self) -> int:
+        return self.lengths[0]
+
+    def prefill(self, tokens: torch.Tensor, *, chunk: Optional[int] = None) -> torch.Tensor:
+        """tokens long [batch, T] -> logits of the last position [batch, vocab].
+        Every copy receives the same prompt. ``chunk``: query rows per block
+        of the full attention (default: about 2^28 scores per block)."""
         if tokens.shape[0] != self.batch:
             raise ValueError(f"tokens: expected {self.batch} rows, got {tokens.shape[0]}")
-        logits = self.model.prefill(tokens.to(self.device), self.caches, self.slots, chunk=chunk)
-        self.length = tokens.shape[1]
+        if chunk is None:
+            T = tokens.shape[1]
+            chunk = max(64, (1 << 28) // max(1, self.batch * self.model.cfg.n_heads * T))
+        logits = self.model.prefill(tokens.to(self.device), self.caches, self.slots[0], chunk=chunk,
+                                    copies=self.slots[1:])
+        self.lengths = [tokens.shape[1]] * len(self.slots)
         return logits
 
-    def step(self, tokens: torch.Tensor, policy, *, return_stats: bool = False, layer_hook=None):
-        """Feed one token per sequence (long [batch]); returns logits [batch, vocab]
-        (and the per-layer DecodeStats with ``return_stats``)."""
-        pos = torch.full((self.batch,), self.length, dtype=torch.long, device=self.device)
+    def step(self, tokens: torch.Tensor, policy, *, return_stats: bool = False, layer_hook=None,
+             copy: int = 0):
+        """Feed one token per sequence (long [batch]) of copy ``copy``; returns
+        logits [batch, vocab] (and per-layer DecodeStats with ``return_stats``)."""
+        pos = torch.full((self.batch,), self.lengths[copy], dtype=torch.long, device=self.device)
         res = self.model.decode_step(
-            tokens.to(self.device), self.caches, self.slots, policy, positions=pos,
+            tokens.to(self.device), self.caches, self.slots[copy], policy, positions=pos,
             return_stats=return_stats, backend=self.backend, layer_hook=layer_hook,
         )
-        self.length += 1
+        self.lengths[copy] += 1
         return res
 
 

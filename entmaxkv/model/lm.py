@@ -261,6 +261,21 @@ class TransformerLM(nn.Module):
             x = x + blk.mlp(blk.mlp_norm(x))
         return self._logits(x)
 
+    @torch.no_grad()
+    def prefill_logits(self, tokens: torch.Tensor, *, tail: int, chunk: Optional[int] = None) -> torch.Tensor:
+        """Full-attention logits of the last ``tail`` positions [B, tail, vocab],
+        computed in query blocks (about 2^28 scores per block by default)."""
+        B, T = tokens.shape
+        if chunk is None:
+            chunk = max(64, (1 << 28) // max(1, B * self.cfg.n_heads * T))
+        positions = torch.arange(T, device=tokens.device)
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            a, _, _ = self._attn_full(blk, blk.attn_norm(x), positions, chunk)
+            x = x + a
+            x = x + blk.mlp(blk.mlp_norm(x))
+        return self._logits(x[:, T - tail:])
+
     # -------------------------------------------------------------- serving
     @torch.no_grad()
     def prefill(
@@ -271,13 +286,15 @@ class TransformerLM(nn.Module):
         *,
         chunk: Optional[int] = 1024,
         all_logits: bool = False,
+        copies: Sequence[Sequence[int]] = (),
     ) -> torch.Tensor:
         """Run the prompt with full attention and fill one cache per layer.
 
         tokens long [B, T] (one row per slot, all of length T; the slots must
-        be empty or hold exactly the tokens before these). Returns the logits
-        of the last position [B, vocab], or of every position [B, T, vocab]
-        with ``all_logits``.
+        be empty). ``copies``: further lists of B empty slots that receive the
+        same K/V (so several policies can decode from one prefill). Returns
+        the logits of the last position [B, vocab], or of every position
+        [B, T, vocab] with ``all_logits``.
         """
         B, T = tokens.shape
         start = caches[0].length(slots[0])
@@ -287,8 +304,9 @@ class TransformerLM(nn.Module):
         x = self.embed(tokens)
         for blk, cache in zip(self.blocks, caches):
             a, k, v = self._attn_full(blk, blk.attn_norm(x), positions, chunk)
-            for b, slot in enumerate(slots):
-                cache.prefill(slot, k[b], v[b], check_finite=False)  # [T, KV, D]
+            for group in [slots, *copies]:
+                for b, slot in enumerate(group):
+                    cache.prefill(slot, k[b], v[b], check_finite=False)  # [T, KV, D]
             x = x + a
             x = x + blk.mlp(blk.mlp_norm(x))
         return self._logits(x if all_logits else x[:, -1])
@@ -332,6 +350,7 @@ class TransformerLM(nn.Module):
             res = decode(
                 q, cache, seq_ids, policy, alpha=cfg.attn_alpha, scale=self.scale,
                 alibi_slopes=self.slopes, return_stats=return_stats, backend=backend,
+                check_finite=False,
             )
             if return_stats:
                 o, st = res

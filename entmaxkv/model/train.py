@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import save_model
+from .checkpoint import load_model, save_model
 from .data import (BatchRecipe, PK_DIGITS, draw_key, encode, load_split, passkey_prompt,
                    sample_batch, test_windows)
 from .lm import ModelConfig, TransformerLM
@@ -56,6 +56,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--p-passkey", type=float, default=0.3)
     p.add_argument("--answer-weight", type=float, default=5.0)
+    p.add_argument("--p-copy", type=float, default=0.0,
+                   help="fraction of rows holding a random digit string twice (induction practice)")
+    p.add_argument("--init-from", default=None,
+                   help="continue from the twins in this folder (a second training stage)")
     p.add_argument("--chunk", type=int, default=512, help="query block of the entmax attention")
     p.add_argument("--log-every", type=int, default=25)
     # model shape
@@ -134,7 +138,8 @@ def train(args) -> dict:
 
     train_stream = load_split("train")
     test_stream = load_split("test")
-    recipe = BatchRecipe(seq_len=args.seq_len, p_passkey=args.p_passkey, answer_weight=args.answer_weight)
+    recipe = BatchRecipe(seq_len=args.seq_len, p_passkey=args.p_passkey, answer_weight=args.answer_weight,
+                         p_copy=args.p_copy)
 
     models, opts, cfgs = {}, {}, {}
     for name in TWINS:
@@ -142,7 +147,11 @@ def train(args) -> dict:
                           n_kv_heads=args.n_kv_heads, d_ff=args.d_ff, attention=name,
                           alpha=args.alpha, positions=args.positions, train_context=args.seq_len)
         torch.manual_seed(args.seed)  # identical initial weights for both twins
-        m = TransformerLM(cfg).to(device)
+        if args.init_from:
+            m = load_model(Path(args.init_from) / name, device=device).train()
+            cfg = m.cfg
+        else:
+            m = TransformerLM(cfg).to(device)
         decay = [p for p in m.parameters() if p.dim() >= 2]
         no_decay = [p for p in m.parameters() if p.dim() < 2]
         opts[name] = torch.optim.AdamW(
@@ -230,7 +239,8 @@ def train(args) -> dict:
         log["final"][name] = final
         save_model(m, out / name, extra={"steps": step, "final": final, "seed": args.seed})
         print(f"{name}: {json.dumps(final)}", flush=True)
-    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    log_name = "train_log.json" if not args.init_from else "train_log_stage2.json"
+    (out / log_name).write_text(json.dumps(log, indent=1) + "\n")
     return log
 
 

@@ -1,0 +1,313 @@
+"""Decode-step latency of the EntmaxKV Triton kernels against the bytes floor.
+
+A script, not a test. For each configuration it builds a paged cache of
+standard-normal keys/values (shuffled block tables), captures one whole
+decode step per method (selection + attention) in a CUDA graph, and times
+graph replays with CUDA events (warm-up, then the median of timed replays;
+the L2 cache is flushed before every timed replay so that repeated calls
+cannot serve K/V from L2). torch's scaled_dot_product_attention over the same
+cache stored contiguously is timed in the same run.
+
+Each row: method, batch, n (context length), median ms, bytes moved (page
+metadata read + K/V of the selected pages + outputs), the floor (bytes at
+4.26 TB/s, the H200 copy bandwidth measured here), ratio = ms / floor, and
+coverage (kept tokens / n). Entmax methods read V only for support tokens,
+so they can beat this floor; ``bytes_entmax`` counts what they really need
+(metadata + selected K + support V + outputs).
+
+With ``--check`` the outputs of every method are also compared, for two
+batch rows, with a float32 PyTorch computation over the same pages (dense
+rows from the contiguous copy), which covers batch 8 x 512k and 1M tokens.
+
+Usage (on the GPU machine, from the repository root):
+
+    PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results
+    PYTHONPATH=. python benchmarks/bench_decode.py --configs paper_32k --methods full_softmax,sdpa
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from entmaxkv.cache import PagedKVCache
+from entmaxkv.entmax import entmax_from_tau, entmax_threshold
+from entmaxkv.policies import Certified, Full, Gaussian, TopK
+
+COPY_BW = 4.26e12  # bytes/s, device-to-device copy bandwidth of the H200 (anchors/)
+
+CONFIGS = {
+    # name: (batch, n, q_heads, kv_heads, head_dim, dtype, page)
+    "paper_32k": (8, 32768, 24, 24, 32, torch.float16, 16),
+    "paper_128k": (8, 131072, 24, 24, 32, torch.float16, 16),
+    "paper_512k": (8, 524288, 24, 24, 32, torch.float16, 16),
+    "paper_1m": (8, 1048576, 24, 24, 32, torch.float16, 16),
+    "paper_b1_2m": (1, 2097152, 24, 24, 32, torch.float16, 16),
+    "gqa_32k": (4, 32768, 32, 8, 128, torch.bfloat16, 16),
+    "gqa_128k": (4, 131072, 32, 8, 128, torch.bfloat16, 16),
+    "gqa_512k": (4, 524288, 32, 8, 128, torch.bfloat16, 16),
+}
+ALPHA = 1.5
+METHODS = {
+    # name: (alpha, policy or None for dense)
+    "full_softmax": (1.0, None),
+    "full_entmax": (ALPHA, None),
+    "quest_topk1024": (1.0, TopK(1024)),
+    "entmax_topk1024": (ALPHA, TopK(1024)),
+    "entmax_topk4096": (ALPHA, TopK(4096)),
+    "gaussian": (ALPHA, Gaussian()),
+    "certified": (ALPHA, Certified()),
+    "sdpa": (1.0, "sdpa"),
+}
+
+
+def build(cfg, seed=0):
+    """Paged cache + contiguous [B, H, n, D] copies of K and V + queries."""
+    B, n, HQ, H, D, dtype, P = cfg
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k4 = torch.randn(B, H, n, D, device="cuda", dtype=dtype, generator=gen)
+    v4 = torch.randn(B, H, n, D, device="cuda", dtype=dtype, generator=gen)
+    npages = -(-n // P)
+    cache, slots = PagedKVCache.from_dense(
+        k4.transpose(1, 2), v4.transpose(1, 2), [n] * B, P, dtype=dtype, spare_pages=B,
+        shuffle=True, generator=torch.Generator().manual_seed(seed), device="cuda",
+        max_pages_per_seq=npages,
+    )
+    q = torch.randn(B, HQ, D, device="cuda", dtype=dtype, generator=gen)
+    ids = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    return cache, ids, q, k4, v4
+
+
+def make_step(K, method, cache, ids, q, k4, v4, scale):
+    """A closure running one decode step; returns (out, sel or None, tau or None)."""
+    alpha, pol = METHODS[method]
+    if pol == "sdpa":
+        HQ, H = q.shape[1], k4.shape[1]
+        q4 = q[:, :, None, :]
+
+        def step():
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q4, k4, v4, scale=scale, enable_gqa=HQ != H)
+            return o[:, :, 0, :], None, None
+        return step
+    if pol is None:
+        def step():
+            o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale)
+            return o, None, tau
+        return step
+
+    def step():
+        sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
+        o, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, tau_init=sel.tau_hat)
+        return o, sel, tau
+    return step
+
+
+def capture(step):
+    """Warm up (compiles) on a side stream, then capture one step in a graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = step()
+    torch.cuda.synchronize()
+    return g, res
+
+
+def time_graph(g, flush, warmup, reps):
+    for _ in range(warmup):
+        g.replay()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for e0, e1 in evs:
+        flush.zero_()
+        e0.record()
+        g.replay()
+        e1.record()
+    torch.cuda.synchronize()
+    ts = sorted(e0.elapsed_time(e1) for e0, e1 in evs)
+    return ts[len(ts) // 2], ts
+
+
+def nbytes(cfg, method, sel, seed_counts=None):
+    """Bytes of the spec's floor: metadata + selected K/V + outputs."""
+    B, n, HQ, H, D, dtype, P = cfg
+    es = torch.tensor([], dtype=dtype).element_size()
+    npages = -(-n // P)
+    out = B * HQ * D * es
+    kv_tok = 2 * D * es  # K + V of one token of one KV head
+    alpha, pol = METHODS[method]
+    if pol is None or pol == "sdpa":
+        return B * H * n * kv_tok + out, 1.0, None
+    meta = B * H * npages * 2 * D * es  # two metadata tensors (min/max or mean/std)
+    counts = sel.counts.to(torch.float64)  # [B, S]
+    S = counts.shape[1]
+    # per selection row, tokens of the kept pages (every row here has length n)
+    toks = (counts * P).clamp(max=n)
+    reads = toks.sum().item() * (H / S) if S == H else toks.sum().item()
+    cov = (toks / n).mean().item()
+    total = meta + reads * kv_tok + out
+    if isinstance(pol, Certified):
+        seed_toks = min(max(pol.seed.budget // P, 1) * P, n) * B * H if isinstance(pol.seed, TopK) else 0
+        total += seed_toks * kv_tok / 2  # K of the seed pages for tau_A
+    return total, cov, reads
+
+
+def ref_row(q, k4, v4, b, alpha, scale, pages=None, P=16):
+    """float32 reference for batch row b: (out [HQ, D], tau [HQ]) over the kept tokens."""
+    HQ, D = q.shape[1], q.shape[2]
+    H = k4.shape[1]
+    G = HQ // H
+    outs, taus = [], []
+    for h in range(HQ):
+        kv = h // G
+        if pages is None:
+            kk, vv = k4[b, kv].float(), v4[b, kv].float()
+        else:
+            s = kv if len(pages) == H else h
+            tok = (pages[s][:, None] * P + torch.arange(P, device=pages.device)).flatten()
+            tok = tok[tok < k4.shape[2]]
+            kk, vv = k4[b, kv, tok].float(), v4[b, kv, tok].float()
+        sc = (kk @ q[b, h].float()) * scale
+        tau, _ = entmax_threshold(sc, alpha)
+        p = entmax_from_tau(sc, tau, alpha)
+        outs.append(p @ vv)
+        taus.append(tau)
+    return torch.stack(outs), torch.stack(taus)
+
+
+def check(cfg, method, res, q, k4, v4, scale, rows=(0, -1)):
+    """Max relative error of out over the checked rows (and tau, abs)."""
+    o, sel, tau = res
+    alpha, pol = METHODS[method]
+    B = q.shape[0]
+    P = cfg[6]
+    errs, terrs = [], []
+    for b in rows:
+        b = b % B
+        pages = None
+        if sel is not None:
+            S = sel.pages.shape[1]
+            pages = [sel.pages[b, s, : int(sel.counts[b, s])].long() for s in range(S)]
+        ro, rt = ref_row(q, k4, v4, b, alpha, scale, pages, P)
+        errs.append(((o[b].float() - ro).norm() / ro.norm()).item())
+        if tau is not None:
+            terrs.append((tau[b].float() - rt).abs().max().item())
+    return max(errs), (max(terrs) if terrs else None)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for col, fam in enumerate(("paper", "gqa")):
+        sub = [r for r in rows if r["config"].startswith(fam)]
+        for meth in METHODS:
+            pts = sorted((r["n"], r["ms"], r["ratio"], r["batch"]) for r in sub if r["method"] == meth and r.get("ms"))
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            axes[0, col].plot(xs, [p[1] for p in pts], "o-", label=meth)
+            axes[1, col].plot(xs, [p[2] for p in pts], "o-", label=meth)
+        cfgname = "batch 8 (2M: batch 1), 24 heads, d 32, fp16" if fam == "paper" else "batch 4, 32q/8kv heads, d 128, bf16"
+        axes[0, col].set_title(f"{fam}: {cfgname}")
+        for ax in axes[:, col]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context length n")
+            ax.grid(True, alpha=0.3)
+        axes[0, col].set_yscale("log")
+        axes[0, col].set_ylabel("decode step latency (ms, median)")
+        axes[1, col].set_ylabel("ratio to bytes floor (4.26 TB/s)")
+        axes[1, col].axhline(1.0, color="k", lw=0.8)
+        axes[0, col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--check", action="store_true", help="compare outputs with a float32 reference")
+    ap.add_argument("--out", default=None, help="folder for bench_decode.json / .png")
+    args = ap.parse_args(argv)
+
+    from entmaxkv import kernels as K
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    rows = []
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        triton=__import__("triton").__version__, python=platform.python_version(),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        command="PYTHONPATH=. python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        copy_bandwidth_Bps=COPY_BW, timing="CUDA-graph replay, CUDA events, L2 flushed before each timed replay, "
+        f"{args.warmup} warm-ups, median of {args.reps}",
+    )
+    for cname in args.configs.split(","):
+        cfg = CONFIGS[cname]
+        B, n, HQ, H, D, dtype, P = cfg
+        t0 = time.time()
+        cache, ids, q, k4, v4 = build(cfg)
+        print(f"# {cname}: built in {time.time() - t0:.1f}s", flush=True)
+        scale = 1.0 / math.sqrt(D)
+        for meth in args.methods.split(","):
+            row = dict(config=cname, method=meth, batch=B, n=n, q_heads=HQ, kv_heads=H, head_dim=D,
+                       dtype=str(dtype).replace("torch.", ""), page=P)
+            try:
+                step = make_step(K, meth, cache, ids, q, k4, v4, scale)
+                g, res = capture(step)
+                ms, ts = time_graph(g, flush, args.warmup, args.reps)
+                total, cov, _ = nbytes(cfg, meth, res[1])
+                floor = total / COPY_BW * 1e3
+                row.update(ms=ms, ms_min=ts[0], ms_max=ts[-1], bytes=total, floor_ms=floor, ratio=ms / floor,
+                           coverage=cov, GBps=total / ms / 1e6)
+                if args.check:
+                    err, terr = check(cfg, meth, res, q, k4, v4, scale)
+                    row.update(rel_err=err, tau_abs_err=terr)
+                del g, res
+            except Exception as exc:  # keep going: one failing method must not hide the others
+                row.update(error=f"{type(exc).__name__}: {exc}"[:500])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del cache, ids, q, k4, v4
+        torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        try:
+            plot(rows, os.path.join(args.out, "bench_decode.png"))
+        except Exception as exc:
+            print("plot failed:", exc)
+    # short table last
+    print(f"\n{'config':13s} {'method':16s} {'ms':>8s} {'floor':>7s} {'ratio':>6s} {'cov':>6s} {'err':>8s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:13s} {r['method']:16s} ERROR {r['error'][:80]}")
+            continue
+        err = r.get("rel_err")
+        print(f"{r['config']:13s} {r['method']:16s} {r['ms']:8.4f} {r['floor_ms']:7.4f} {r['ratio']:6.2f} "
+              f"{r['coverage']:6.3f} {err if err is None else format(err, '8.1e')}")
+
+
+if __name__ == "__main__":
+    main()

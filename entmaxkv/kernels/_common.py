@@ -1,0 +1,115 @@
+"""Helpers shared by the kernel files: launch heuristics and small jit functions.
+
+Nothing here reads a GPU value on the host; every heuristic looks only at
+shapes, dtypes and the device's multiprocessor count.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= max(x, 1)."""
+    x = max(int(x), 1)
+    return 1 << (x - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a small fixed number on the CPU interpreter)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def dot_flags(dtype: torch.dtype):
+    """(DOT_F32, PRECISION) for tl.dot on operands stored as ``dtype``.
+
+    float32 operands use full-precision ("ieee") products; float16/bfloat16
+    use the tensor cores with float32 accumulation (products of two 11-/8-bit
+    mantissas are exact in float32). Triton's CPU interpreter mishandles
+    bfloat16 dots, so there every dot is done in float32.
+    """
+    if dtype == torch.float32 or interpreting():
+        return True, "ieee"
+    return False, "tf32"
+
+
+def kv_strides(cache):
+    """Element strides (page, head, row) of k_pages and v_pages; the last dim must be contiguous."""
+    for name in ("k_pages", "v_pages"):
+        t = getattr(cache, name)
+        if t.stride(-1) != 1:
+            raise ValueError(f"cache.{name}: the head_dim axis must be contiguous")
+    k, v = cache.k_pages, cache.v_pages
+    return (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
+
+
+def as_slopes(slopes, HQ: int, device) -> torch.Tensor:
+    """float32 [HQ] slopes (a 1-element dummy when there are none)."""
+    if slopes is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return slopes.to(device=device, dtype=torch.float32).contiguous()
+
+
+def beta_kind(alpha: float) -> int:
+    """0: general alpha; 1: sparsemax (beta = 1); 2: 1.5-entmax (beta = 2)."""
+    if alpha == 2.0:
+        return 1
+    if alpha == 1.5:
+        return 2
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# jit helpers
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def entmax_pows(u, beta, BETA_KIND: tl.constexpr):
+    """(u^beta, u^(beta-1)) for u >= 0, exact zeros where u == 0."""
+    on = u > 0
+    if BETA_KIND == 1:
+        p0 = u
+        p1 = on.to(tl.float32)
+    elif BETA_KIND == 2:
+        p0 = u * u
+        p1 = u
+    else:
+        us = tl.where(on, u, 1.0)
+        p0 = tl.where(on, tl.exp2(beta * tl.log2(us)), 0.0)
+        p1 = tl.where(on, p0 / us, 0.0)
+    return p0, p1
+
+
+@triton.jit
+def entmax_prob(u, beta, BETA_KIND: tl.constexpr):
+    """p = u^beta for u >= 0 (u = [(alpha-1) s - tau]_+)."""
+    if BETA_KIND == 1:
+        p = u
+    elif BETA_KIND == 2:
+        p = u * u
+    else:
+        on = u > 0
+        us = tl.where(on, u, 1.0)
+        p = tl.where(on, tl.exp2(beta * tl.log2(us)), 0.0)
+    return p

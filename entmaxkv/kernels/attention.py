@@ -1,0 +1,650 @@
+"""Paged attention over selected (or all) pages: softmax and exact alpha-entmax.
+
+Reference: ``entmaxkv.attention.attend``. Shapes: B batch, HQ query heads,
+H KV heads, G = HQ // H, S selection heads (H or HQ), NG = HQ // S query heads
+served by one selection row, W selection width (pages), P page size, D head dim.
+
+Split-K over the selected pages, in at most four launches, none of which
+synchronises with the host:
+
+1. ``_split_kernel`` (grid B*S x NSPLIT). Each program walks a contiguous
+   share of its row's selected pages, loading each K tile once for the NG
+   query heads that read it.
+   * softmax: online softmax over the share, also reading V; writes the
+     partial (max, sum, accumulator) of each head.
+   * entmax: computes x = (alpha-1) s and never reads V. Any subset's
+     threshold is <= the full threshold (SPEC section 1), so a running lower
+     bound ``lb`` built from the tiles seen so far (Newton steps from the left
+     on each tile, valid because f is convex for alpha <= 2) screens the
+     tokens: only x > lb can be in the support. Those *candidates* (score +
+     physical token id) are the only scores written to HBM.
+2. ``_solve_kernel`` (grid B*HQ, entmax only): the exact tau of each query
+   head over its candidates, whose other kept tokens have x <= lb <= tau and
+   so contribute nothing. alpha = 2 / 1.5: Newton from the left until the
+   support is stable, then the closed form on it; other alpha: safeguarded
+   Halley (as the reference).
+3. ``_vacc_kernel`` (grid B*S x NSPLIT, entmax only): p = [x - tau]_+^beta over
+   each split's candidates; V rows are gathered only where p > 0 (tiles with
+   no support load no V at all).
+4. ``_combine_kernel`` (grid B*HQ): merges the split partials, writes the output
+   in q's dtype and tau (softmax: the log-sum-exp; a head with no kept token
+   gets zeros and tau = +inf).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..types import Selection
+from ._common import (
+    as_slopes,
+    beta_kind,
+    cdiv,
+    dot_flags,
+    entmax_pows,
+    entmax_prob,
+    interpreting,
+    kv_strides,
+    next_pow2,
+    num_sms,
+)
+
+# Iterations of the general-alpha Halley loop and Newton polish (reference: entmax.py).
+HALLEY_ITERS = 24
+POLISH_ITERS = 2
+# Cap on Newton-from-the-left steps for alpha in {1.5, 2} (each step is exact
+# on its support, so a handful suffice; the cap only guards pathological rows).
+NEWTON_MAX = 64
+# Newton steps per tile that tighten the running lower bound in pass 1.
+TILE_NEWTON = 2
+
+
+# ---------------------------------------------------------------------------
+# heuristics
+# ---------------------------------------------------------------------------
+
+
+def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device) -> dict:
+    """Block sizes and split count from shapes only (graph-capturable)."""
+    use_dot = NG >= 3
+    block_d = next_pow2(D)
+    if use_dot:
+        block_g = max(16, next_pow2(NG))
+        block_d = max(16, block_d)
+        block_t = max(16, min(128, 8192 // block_d))
+    else:
+        block_g = next_pow2(NG)
+        block_t = max(16, min(256, 8192 // (block_g * block_d)))
+    if interpreting():
+        block_t = min(block_t, 32)
+    rows = B * S
+    target = 4 * num_sms(device)
+    tokens = W * P
+    nsplit = max(1, min(cdiv(target, rows), W, 128, max(1, tokens // (2 * block_t))))
+    return dict(
+        USE_DOT=use_dot,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_T=block_t,
+        NSPLIT=nsplit,
+        num_warps=4 if block_t * block_d <= 4096 else 8,
+    )
+
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _qk(b_q, b_k, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Raw dot products [BLOCK_G, BLOCK_T] of query rows and key rows, float32."""
+    if USE_DOT:
+        if DOT_F32:
+            b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision=PREC)
+        else:
+            b_s = tl.dot(b_q.to(b_k.dtype), tl.trans(b_k))
+    else:
+        b_s = tl.sum(b_q.to(tl.float32)[:, None, :] * b_k.to(tl.float32)[None, :, :], axis=2)
+    return b_s
+
+
+@triton.jit
+def _pv(b_p, b_v, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """sum_t p[g, t] v[t, :] in float32; p is split hi + lo for low-precision V."""
+    if USE_DOT:
+        if DOT_F32:
+            b_o = tl.dot(b_p, b_v.to(tl.float32), input_precision=PREC)
+        else:
+            p_hi = b_p.to(b_v.dtype)
+            p_lo = (b_p - p_hi.to(tl.float32)).to(b_v.dtype)
+            b_o = tl.dot(p_hi, b_v) + tl.dot(p_lo, b_v)
+    else:
+        b_o = tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
+    return b_o
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ids_ptr, pages_ptr, counts_ptr, slopes_ptr,
+    pm_ptr, pl_ptr, pacc_ptr,
+    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr,
+    scale, am1, beta,
+    stride_qb, stride_qh,
+    stride_kp, stride_kh, stride_kr,
+    stride_vp, stride_vh, stride_vr,
+    stride_bt, stride_pb, stride_ph, stride_cb,
+    HQ, G, W, CAPS,
+    S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    BETA_KIND: tl.constexpr, NEWTON: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_b = i_r // S
+    i_sh = i_r % S
+    h0 = i_sh * NG  # first query head of this selection row
+    kvh = h0 // G
+
+    # -- sequence, selected pages and this program's share of them
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    if DENSE:
+        count = (n + P - 1) // P
+    else:
+        count = tl.minimum(tl.load(counts_ptr + i_b * stride_cb + i_sh), W)
+    per = (count + NSPLIT - 1) // NSPLIT
+    t_lo = tl.minimum(i_s * per, count) * P  # token slots [t_lo, t_hi) of the row
+    t_hi = tl.minimum(i_s * per + per, count) * P
+    pos_q = n - 1
+
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < NG
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g)[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+    if HAS_ALIBI:
+        b_sl = tl.load(slopes_ptr + h0 + o_g, mask=m_g, other=0.0)
+    p_bt = bt_ptr + seq * stride_bt
+    p_pages = pages_ptr + i_b.to(tl.int64) * stride_pb + i_sh * stride_ph
+
+    if SOFTMAX:
+        b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_G], tl.float32)
+        b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    else:
+        b_lb = tl.full([BLOCK_G], float("-inf"), tl.float32)  # lower bound on tau
+        b_mx = tl.full([BLOCK_G], float("-inf"), tl.float32)  # max x seen
+        b_nc = tl.zeros([BLOCK_G], tl.int32)  # candidates written
+        o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s) * CAPS  # [BLOCK_G]
+
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        # -- token slots -> logical page -> physical page (through the block table)
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < t_hi
+        i_slot = o_t // P
+        i_row = o_t % P
+        if DENSE:
+            logical = i_slot
+        else:
+            logical = tl.load(p_pages + i_slot, mask=m_t, other=0)
+        pos = logical * P + i_row
+        m_tok = m_t & (pos < n)
+        phys = tl.load(p_bt + logical, mask=m_tok, other=0).to(tl.int64)
+        o_k = phys * stride_kp + kvh * stride_kh + i_row * stride_kr
+        b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
+
+        # -- scores of the NG heads on this tile, [BLOCK_G, BLOCK_T]
+        b_s = _qk(b_q, b_k, USE_DOT, DOT_F32, PREC) * scale
+        if HAS_ALIBI:
+            b_s += b_sl[:, None] * (pos - pos_q).to(tl.float32)[None, :]
+        m_s = m_g[:, None] & m_tok[None, :]
+        b_s = tl.where(m_s, b_s, float("-inf"))
+
+        if SOFTMAX:
+            m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            b_p = tl.exp(b_s - m_use[:, None])
+            corr = tl.exp(b_m - m_use)
+            b_l = b_l * corr + tl.sum(b_p, axis=1)
+            o_v = phys * stride_vp + kvh * stride_vh + i_row * stride_vr
+            b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
+            b_acc = b_acc * corr[:, None] + _pv(b_p, b_v, USE_DOT, DOT_F32, PREC)
+            b_m = m_new
+        else:
+            b_x = b_s * am1
+            m_x = tl.max(b_x, axis=1)
+            b_mx = tl.maximum(b_mx, m_x)
+            # Tighten the lower bound: tau_tile >= m_x - 1, and a Newton step from
+            # a point where f_tile >= 0 stays below tau_tile <= tau (f convex).
+            b_t = tl.maximum(b_lb, m_x - 1.0)
+            for _ in tl.static_range(NEWTON):
+                b_u = tl.where(b_x > b_t[:, None], b_x - b_t[:, None], 0.0)
+                u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+                f = tl.sum(u0, axis=1) - 1.0
+                fp = beta * tl.sum(u1, axis=1)
+                b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+            b_lb = tl.maximum(b_lb, b_t)
+            # -- write the candidates x > lb (the only scores that reach HBM)
+            m_c = b_x > b_lb[:, None]
+            i_c = tl.cumsum(m_c.to(tl.int32), axis=1) - 1 + b_nc[:, None]
+            p_c = o_c[:, None] + i_c
+            tl.store(cx_ptr + p_c, b_x, mask=m_c)
+            b_tok = (phys * P + i_row).to(tl.int32)
+            tl.store(ci_ptr + p_c, tl.broadcast_to(b_tok[None, :], [BLOCK_G, BLOCK_T]), mask=m_c)
+            b_nc += tl.sum(m_c.to(tl.int32), axis=1)
+
+    o_r = (i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s
+    if SOFTMAX:
+        tl.store(pm_ptr + o_r, b_m, mask=m_g)
+        tl.store(pl_ptr + o_r, b_l, mask=m_g)
+        tl.store(pacc_ptr + o_r[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
+    else:
+        tl.store(cn_ptr + o_r, b_nc, mask=m_g)
+        tl.store(clb_ptr + o_r, b_lb, mask=m_g)
+        tl.store(cm_ptr + o_r, b_mx, mask=m_g)
+
+
+@triton.jit
+def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAPS,
+               NS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
+    """Sums over the candidates x > tau of one row.
+
+    ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x) for the
+    closed forms; ORDER 2: (f, f', f'') of f = sum [x - tau]_+^beta - 1.
+    """
+    o_s = tl.arange(0, NS_P2)
+    a0 = tl.zeros([NS_P2, BLOCK_C], tl.float32)
+    a1 = tl.zeros([NS_P2, BLOCK_C], tl.float32)
+    a2 = tl.zeros([NS_P2, BLOCK_C], tl.float32)
+    a3 = tl.full([NS_P2, BLOCK_C], float("inf"), tl.float32)
+    for off in range(0, max_n, BLOCK_C):
+        o_j = off + tl.arange(0, BLOCK_C)
+        m_j = o_j[None, :] < n_s[:, None]
+        b_x = tl.load(p_x + o_s[:, None].to(tl.int64) * CAPS + o_j[None, :], mask=m_j, other=float("-inf"))
+        on = b_x > tau
+        if ORDER == 0:
+            d = tl.where(on, b_x - mshift, 0.0)
+            a0 += on.to(tl.float32)
+            a1 += d
+            a2 += d * d
+            a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
+        else:
+            b_u = tl.where(on, b_x - tau, 0.0)
+            u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+            a0 += u0
+            a1 += u1
+            a2 += tl.where(on, u1 / tl.where(on, b_u, 1.0), 0.0)
+    r0 = tl.sum(tl.sum(a0, axis=1), axis=0)
+    r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
+    r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
+    r3 = tl.min(tl.min(a3, axis=1), axis=0)
+    if ORDER == 2:
+        r0 = r0 - 1.0  # f
+        r1 = -beta * r1  # f'
+        r2 = beta * (beta - 1.0) * r2  # f''
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _solve_kernel(
+    cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
+    alpha, beta, CAPS,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_C: tl.constexpr,
+    BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
+    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, NS_P2)
+    m_s = o_s < NSPLIT
+    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
+    lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    total = tl.sum(n_s, axis=0)
+    max_n = tl.max(n_s, axis=0)
+    empty = total == 0
+    m = tl.where(empty, 0.0, m)
+    p_x = cx_ptr + i_r * NSPLIT * CAPS
+
+    # Bracket [lo, hi]: f(m - 1) >= 0 and, over c candidates, f(m - c^(1-alpha)) <= 0.
+    c = tl.maximum(total, 1).to(tl.float32)
+    lo = tl.maximum(tl.where(empty, -1.0, lb), m - 1.0)
+    hi = m - tl.exp2((1.0 - alpha) * tl.log2(c))
+    lo = tl.minimum(lo, hi)
+
+    if BETA_KIND != 0:
+        # Newton from the left (monotone for convex f); on each support try the
+        # closed form, which is exact once the support is the final one.
+        tau = lo
+        it = tl.full([], 0, tl.int32)
+        go = tl.full([], 1, tl.int32)
+        while (go != 0) & (it < NEWTON_CAP):
+            k, s1, s2, mn = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAPS, NS_P2, BLOCK_C, BETA_KIND, 0)
+            kk = tl.maximum(k, 1.0)
+            dt = tau - m
+            if BETA_KIND == 1:
+                tc = m + (s1 - 1.0) / kk
+                t_next = tc
+            else:
+                disc = s1 * s1 - kk * (s2 - 1.0)
+                tc = m + (s1 - tl.sqrt(tl.maximum(disc, 0.0))) / kk
+                tc = tl.where(disc >= 0, tc, float("-inf"))
+                # f = sum (d - dt)^2 - 1, f' = -2 sum (d - dt), d = x - m on the support
+                f = s2 - 2.0 * dt * s1 + kk * dt * dt - 1.0
+                fp = 2.0 * (s1 - kk * dt)
+                t_next = tau + f / tl.where(fp > 0, fp, 1.0)
+            exact = (tc >= tau) & (mn > tc) & (k > 0)
+            tau = tl.where(exact, tc, tl.maximum(t_next, tau))
+            go = tl.where(exact | (k == 0), 0, 1)
+            it += 1
+    else:
+        if HAS_INIT:
+            t0 = tl.load(tinit_ptr + i_r)
+            t0 = tl.where(t0 == t0, t0, lo)  # NaN -> lo
+            tau = tl.minimum(tl.maximum(t0, lo), hi)
+        else:
+            tau = lo
+        for _ in range(HALLEY):
+            f, d1, d2, _mn = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAPS, NS_P2, BLOCK_C, BETA_KIND, 2)
+            above = f > 0
+            lo = tl.where(above, tau, lo)
+            hi = tl.where(above, hi, tau)
+            d1s = tl.where(d1 != 0, d1, -1.0)
+            newton = -f / d1s
+            L = f * d2 / (d1s * d1s)
+            L = tl.where(L == L, L, 0.0)
+            L = tl.minimum(tl.maximum(L, -1.0), 1.0)
+            cand = tau + newton / (1.0 - 0.5 * L)
+            ok = (cand >= lo) & (cand <= hi) & (d1 != 0)
+            tau = tl.where(ok, cand, 0.5 * (lo + hi))
+        for _ in range(POLISH):
+            f, d1, d2, _mn = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAPS, NS_P2, BLOCK_C, BETA_KIND, 2)
+            step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
+            tau = tl.minimum(tl.maximum(tau + step, lo), hi)
+    tau = tl.where(empty, float("inf"), tau)
+    tl.store(tau_ptr + i_r, tau)
+
+
+@triton.jit
+def _vacc_kernel(
+    v_ptr, cx_ptr, ci_ptr, cn_ptr, tau_ptr, pacc_ptr,
+    beta, CAPS,
+    stride_vp, stride_vh, stride_vr,
+    HQ, G,
+    S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BETA_KIND: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_b = i_r // S
+    h0 = (i_r % S) * NG
+    kvh = h0 // G
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    for g in range(NG):
+        r = (i_b * HQ + h0 + g).to(tl.int64)
+        tau = tl.load(tau_ptr + r)
+        n_c = tl.load(cn_ptr + r * NSPLIT + i_s)
+        base = (r * NSPLIT + i_s) * CAPS
+        b_acc = tl.zeros([BLOCK_D], tl.float32)
+        for off in range(0, n_c, BLOCK_C):
+            o_j = off + tl.arange(0, BLOCK_C)
+            m_j = o_j < n_c
+            b_x = tl.load(cx_ptr + base + o_j, mask=m_j, other=float("-inf"))
+            b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+            m_p = m_j & (b_p > 0)
+            # V rows only for tokens in the support
+            b_tok = tl.load(ci_ptr + base + o_j, mask=m_p, other=0)
+            o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
+            b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+            b_acc += tl.sum(tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32), axis=0)
+        tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, b_acc, mask=m_d)
+
+
+@triton.jit
+def _combine_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, tau_ptr, out_ptr,
+    stride_ob, stride_oh, HQ,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, NS_P2)
+    m_s = o_s < NSPLIT
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_acc = tl.load(pacc_ptr + (i_r * NSPLIT + o_s)[:, None] * D + o_d[None, :],
+                    mask=m_s[:, None] & m_d[None, :], other=0.0)
+    if SOFTMAX:
+        b_m = tl.load(pm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf"))
+        b_l = tl.load(pl_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0.0)
+        m = tl.max(b_m, axis=0)
+        empty = m == float("-inf")
+        m_use = tl.where(empty, 0.0, m)
+        w = tl.exp(b_m - m_use)
+        l = tl.sum(w * b_l, axis=0)
+        l_use = tl.where(empty, 1.0, l)
+        b_o = tl.sum(w[:, None] * b_acc, axis=0) / l_use
+        b_o = tl.where(empty, 0.0, b_o)
+        tau = tl.where(empty, float("inf"), m_use + tl.log(l_use))
+        tl.store(tau_ptr + i_r, tau)
+    else:
+        b_o = tl.sum(b_acc, axis=0)
+    i_b = i_r // HQ
+    i_h = i_r % HQ
+    tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_d, b_o.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+# ---------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------
+
+
+def _check_inputs(q: torch.Tensor, cache) -> None:
+    if q.dim() != 3 or q.shape[2] != cache.head_dim or q.shape[1] % cache.kv_heads:
+        raise ValueError(f"q: expected [batch, q_heads, {cache.head_dim}] with q_heads a multiple "
+                         f"of {cache.kv_heads}, got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        raise ValueError("q: the head_dim axis must be contiguous")
+    if cache.num_pages * cache.page_size >= 2**31:
+        raise ValueError("cache: num_pages * page_size must stay below 2**31 (token ids are int32)")
+
+
+def _run(
+    q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
+    alpha: float, scale: float, slopes, tau_init, want_out: bool = True,
+):
+    """Launch the split pass and the finishing kernels; returns (out or None, tau)."""
+    _check_inputs(q, cache)
+    B, HQ, D = q.shape
+    H, P = cache.kv_heads, cache.page_size
+    G = HQ // H
+    NG = HQ // S
+    dev = q.device
+    if q.dtype == torch.float64:  # the oracle dtype: run in float32
+        qk = q.float()
+    else:
+        qk = q
+    cfg = _plan(B, S, NG, D, W, P, dev)
+    NSPLIT = cfg["NSPLIT"]
+    NS_P2 = next_pow2(NSPLIT)
+    softmax = alpha == 1.0
+    dot_f32, prec = dot_flags(cache.dtype)
+    if qk.dtype != cache.dtype:
+        dot_f32, prec = True, "ieee"
+    (skp, skh, skr), (svp, svh, svr) = kv_strides(cache)
+    sl = as_slopes(slopes, HQ, dev)
+    ids = seq_ids.to(device=dev, dtype=torch.int32)
+    if dense:
+        pages = torch.zeros(1, 1, 1, dtype=torch.int32, device=dev)
+        counts = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    R = B * HQ
+    f32 = torch.float32
+    tau = torch.empty(R, dtype=f32, device=dev)
+    pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev)
+    beta = 1.0 / (alpha - 1.0) if not softmax else 1.0
+    bk = beta_kind(alpha)
+    if softmax:
+        pm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        pl = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        cx = ci = cn = clb = cm = pm  # unused
+        CAPS = 1
+    else:
+        CAPS = cdiv(W, NSPLIT) * P
+        cx = torch.empty(R * NSPLIT * CAPS, dtype=f32, device=dev)
+        ci = torch.empty(R * NSPLIT * CAPS, dtype=torch.int32, device=dev)
+        cn = torch.empty(R, NSPLIT, dtype=torch.int32, device=dev)
+        clb = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        pm = pl = clb  # unused
+    newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
+
+    _split_kernel[(B * S, NSPLIT)](
+        qk, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
+        pm, pl, pacc,
+        cx, ci, cn, clb, cm,
+        float(scale), float(alpha - 1.0), float(beta),
+        qk.stride(0), qk.stride(1),
+        skp, skh, skr, svp, svh, svr,
+        cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
+        HQ, G, W, CAPS,
+        S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
+        BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=cfg["BLOCK_T"],
+        DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
+        BETA_KIND=bk, NEWTON=newton,
+        USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec,
+        num_warps=cfg["num_warps"],
+    )
+    if not softmax:
+        block_c = max(16, min(1024, 4096 // NS_P2))
+        tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
+        _solve_kernel[(R,)](
+            cx, cn, clb, cm, tinit, tau,
+            float(alpha), float(beta), CAPS,
+            NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_C=block_c,
+            BETA_KIND=bk, HAS_INIT=tau_init is not None,
+            HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
+            num_warps=4,
+        )
+        if not want_out:
+            return None, tau.view(B, HQ)
+        block_d = next_pow2(D)
+        _vacc_kernel[(B * S, NSPLIT)](
+            cache.v_pages, cx, ci, cn, tau, pacc,
+            float(beta), CAPS,
+            svp, svh, svr,
+            HQ, G,
+            S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
+            BLOCK_C=max(16, min(128, 4096 // block_d)), BETA_KIND=bk,
+            num_warps=4,
+        )
+    out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
+    _combine_kernel[(R,)](
+        pm, pl, pacc, tau, out,
+        out.stride(0), out.stride(1), HQ,
+        NSPLIT=NSPLIT, NS_P2=NS_P2, D=D, BLOCK_D=next_pow2(D), SOFTMAX=softmax,
+        num_warps=1 if D <= 64 else 2,
+    )
+    return out, tau.view(B, HQ)
+
+
+# ---------------------------------------------------------------------------
+# public functions
+# ---------------------------------------------------------------------------
+
+
+def attend(
+    q: torch.Tensor,
+    cache,
+    seq_ids: torch.Tensor,
+    sel: Selection,
+    *,
+    alpha: float,
+    scale: float,
+    slopes: Optional[torch.Tensor] = None,
+    tau_init: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact alpha-entmax (alpha = 1: softmax) attention over the selected pages.
+
+    Triton twin of ``entmaxkv.attention.attend``: reads only the K of the
+    selected pages through the block table (each page once for every query
+    head of its selection row), solves tau exactly per query head over the
+    kept scores, and reads V only for tokens in the support (softmax: every
+    kept token).
+
+    Args:
+        q: [batch, q_heads, head_dim] float16/bfloat16/float32 (float64 runs in
+            float32), head_dim axis contiguous.
+        cache: PagedKVCache (k_pages/v_pages [num_pages, kv_heads, P, D]).
+        seq_ids: int32/int64 [batch] cache slots, on the cache device.
+        sel: Selection; pages int32 [batch, S, W] logical page ids (any order,
+            distinct, first counts[b, s] valid), counts int32 [batch, S],
+            S = kv_heads (one selection per KV group) or q_heads.
+        alpha: >= 1 (1 softmax, 1.5, 2 fast paths; any alpha > 1 works).
+        scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
+        tau_init: optional float [batch, q_heads] warm start (used, clamped
+            into the bracket, by the general-alpha Halley solver only).
+    Returns:
+        out [batch, q_heads, head_dim] in q's dtype (zeros for a head with no
+        kept token) and tau float32 [batch, q_heads] (softmax: log-sum-exp;
+        +inf for a head with no kept token).
+    Workspace: float32+int32 candidates of size batch * q_heads * W * P for
+    entmax (W = sel width), allocated per call.
+    """
+    B, HQ, _ = q.shape
+    pages, counts = sel.pages, sel.counts
+    S, W = pages.shape[1], pages.shape[2]
+    if S not in (cache.kv_heads, HQ) or pages.shape[0] != B:
+        raise ValueError(f"sel: expected pages [batch, kv_heads or q_heads, W], got {tuple(pages.shape)}")
+    if pages.dtype != torch.int32:
+        pages = pages.to(torch.int32)
+    if counts.dtype != torch.int32:
+        counts = counts.to(torch.int32)
+    if pages.stride(-1) != 1:
+        pages = pages.contiguous()
+    return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init)
+
+
+def dense_attend(
+    q: torch.Tensor,
+    cache,
+    seq_ids: torch.Tensor,
+    *,
+    alpha: float,
+    scale: float,
+    slopes: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Full-cache attention (the ``Full`` policy) without a Selection.
+
+    Same algorithm as :func:`attend` with every logical page of each sequence
+    kept; the entmax version writes only the candidate scores (x above a
+    running lower bound on tau) to HBM, never the whole score row, and reads
+    V only for support tokens.
+
+    Args and returns as :func:`attend` (no ``sel``, no ``tau_init``).
+    Workspace (entmax): batch * q_heads * max_pages_per_seq * P candidates.
+    """
+    M = cache.block_table.shape[1]
+    return _run(q, cache, seq_ids, None, None, cache.kv_heads, M, True,
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=None)
+
+
+def selection_tau(q, cache, seq_ids, sel: Selection, *, alpha: float, scale: float,
+                  slopes=None, tau_init=None) -> torch.Tensor:
+    """tau [batch, q_heads] over the selected pages without computing the output
+    (entmax only; used by the certified policy)."""
+    B, HQ, _ = q.shape
+    S, W = sel.pages.shape[1], sel.pages.shape[2]
+    _, tau = _run(q, cache, seq_ids, sel.pages.to(torch.int32).contiguous(), sel.counts.to(torch.int32),
+                  S, max(W, 1), False, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init,
+                  want_out=False)
+    return tau

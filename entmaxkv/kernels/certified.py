@@ -1,0 +1,239 @@
+"""The certificate test and the certified policy.
+
+Reference: ``entmaxkv.attention.certify`` and ``entmaxkv.policies.select``
+with ``Certified``. Shapes: B batch, HQ query heads, S selection heads,
+NG = HQ // S, M logical pages, W selection width.
+
+Monotonicity (SPEC section 1): tau over any kept set A is <= tau over all
+tokens, so a page with (alpha-1) * u_p <= tau_A holds no support token. The
+certified policy therefore needs one augmentation round: seed selection A,
+exact tau_A over it, then add every page with (alpha-1) * (u_p + slack) >
+tau_A; every page still left out satisfies the test against tau_A <= tau_A'.
+
+Kernels:
+* ``_mark_kernel``: scatters a Selection into a uint8 page mask [B, S, M]
+  (union over query heads, or repeat over them, when the seed's selection
+  heads differ from the target's).
+* ``_augment_kernel``: kept = mask | forced | (any head: (alpha-1) ub > tau),
+  compacted into a Selection with one atomic per block (unsorted pages).
+* ``_certify_kernel``: per query head, is any valid unselected page unsafe?
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..policies import TopK
+from ..types import Selection
+from ._common import next_pow2
+from .attention import selection_tau
+from .scoring import bounds_with_slack, prep_query
+from .topk import select_topk
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _mark_kernel(pages_ptr, counts_ptr, mask_ptr, W, M,
+                 S_SRC: tl.constexpr, S_DST: tl.constexpr, BLOCK_W: tl.constexpr):
+    i_r = tl.program_id(0)
+    i_w = tl.program_id(1)
+    i_b = i_r // S_SRC
+    i_s = i_r % S_SRC
+    cnt = tl.minimum(tl.load(counts_ptr + i_r), W)
+    o_w = i_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    m_w = o_w < cnt
+    b_pg = tl.load(pages_ptr + i_r.to(tl.int64) * W + o_w, mask=m_w, other=0)
+    if S_SRC >= S_DST:  # union over the query heads of a KV group
+        d = i_s // (S_SRC // S_DST)
+        tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1, mask=m_w)
+    else:  # the group's selection repeated for each of its query heads
+        for j in range(S_DST // S_SRC):
+            d = i_s * (S_DST // S_SRC) + j
+            tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1, mask=m_w)
+
+
+@triton.jit
+def _augment_kernel(ubs_ptr, mask_ptr, tau_ptr, ids_ptr, lens_ptr, pages_ptr, counts_ptr,
+                    am1, M, HQ, sinks, window,
+                    S: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+                    ADD: tl.constexpr, FORCED: tl.constexpr):
+    i_r = tl.program_id(0)
+    i_m = tl.program_id(1)
+    i_b = i_r // S
+    i_s = i_r % S
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    npages = (n + P - 1) // P
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_v = (o_m < M) & (o_m < npages)
+    keep = tl.load(mask_ptr + i_r.to(tl.int64) * M + o_m, mask=o_m < M, other=0) != 0
+    if FORCED:
+        keep = keep | (o_m < sinks) | (o_m >= npages - tl.maximum(window, 1))
+    if ADD:
+        o_g = tl.arange(0, BLOCK_G)
+        m_g = o_g < NG
+        o_h = (i_b * HQ + i_s * NG + o_g).to(tl.int64)
+        b_tau = tl.load(tau_ptr + o_h, mask=m_g, other=float("inf"))
+        b_ub = tl.load(ubs_ptr + o_h[:, None] * M + o_m[None, :], mask=m_g[:, None] & m_v[None, :],
+                       other=float("-inf"))
+        unsafe = (am1 * b_ub > b_tau[:, None]).to(tl.int32)
+        keep = keep | (tl.max(unsafe, axis=0) > 0)
+    keep = keep & m_v
+    f_keep = keep.to(tl.int32)
+    base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0))
+    i_out = base + tl.cumsum(f_keep, axis=0) - 1
+    tl.store(pages_ptr + i_r.to(tl.int64) * M + i_out, o_m, mask=keep)
+
+
+@triton.jit
+def _certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_ptr,
+                    am1, M, HQ,
+                    S: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SOFTMAX: tl.constexpr, HAS_SLACK: tl.constexpr):
+    i_r = tl.program_id(0)
+    i_m = tl.program_id(1)
+    i_b = i_r // HQ
+    i_s = (i_r % HQ) // NG
+    n = tl.load(lens_ptr + i_b)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_v = (o_m < M) & (o_m.to(tl.int64) * P < n)
+    kept = tl.load(mask_ptr + (i_b * S + i_s).to(tl.int64) * M + o_m, mask=o_m < M, other=0) != 0
+    left = m_v & (kept == 0)
+    if SOFTMAX:
+        viol = left
+    else:
+        o_u = i_r.to(tl.int64) * M + o_m
+        b_ub = tl.load(ub_ptr + o_u, mask=left, other=float("-inf"))
+        if HAS_SLACK:
+            b_ub += tl.load(slack_ptr + o_u, mask=left, other=0.0)
+        tau = tl.load(tau_ptr + i_r)
+        viol = left & (am1 * b_ub > tau)
+    tl.atomic_max(viol_ptr + i_r, tl.max(viol.to(tl.int32), axis=0))
+
+
+# ---------------------------------------------------------------------------
+# launchers / public functions
+# ---------------------------------------------------------------------------
+
+
+def page_mask(sel: Selection, B: int, S: int, M: int) -> torch.Tensor:
+    """uint8 [B, S, M] mask of the selected logical pages (S may differ from sel's heads)."""
+    pages = sel.pages.to(torch.int32).contiguous()
+    counts = sel.counts.to(torch.int32).contiguous()
+    S_src, W = pages.shape[1], pages.shape[2]
+    mask = torch.zeros(B, S, M, dtype=torch.uint8, device=pages.device)
+    if W == 0:
+        return mask
+    block_w = min(1024, next_pow2(W))
+    _mark_kernel[(B * S_src, triton.cdiv(W, block_w))](
+        pages, counts, mask, W, M, S_SRC=S_src, S_DST=S, BLOCK_W=block_w, num_warps=4,
+    )
+    return mask
+
+
+def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced):
+    M = mask.shape[2]
+    pages = torch.zeros(B, S, M, dtype=torch.int32, device=mask.device)
+    counts = torch.zeros(B, S, dtype=torch.int32, device=mask.device)
+    block_m = 256 if NG <= 4 else 64
+    _augment_kernel[(B * S, triton.cdiv(M, block_m))](
+        ubs if ubs is not None else mask, mask, tau if tau is not None else mask, ids, cache.seq_lens,
+        pages, counts,
+        float(alpha - 1.0), M, HQ, int(sinks), int(window),
+        S=S, NG=NG, P=cache.page_size, BLOCK_M=block_m, BLOCK_G=next_pow2(NG),
+        ADD=add, FORCED=forced, num_warps=4,
+    )
+    return Selection(pages, counts)
+
+
+def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None) -> Selection:
+    """Certified selection (Triton): seed, tau over the seed, one augmentation.
+
+    Args:
+        policy: entmaxkv.policies.Certified (seed TopK or Gaussian), alpha > 1.
+        q: [batch, q_heads, head_dim]; cache; seq_ids int [batch]; scale; slopes.
+    Returns:
+        Selection(pages int32 [batch, S, M] unsorted, counts int32 [batch, S]),
+        S = q_heads if policy.per_query_head else kv_heads, whose pages provably
+        contain the alpha-entmax support of every query head.
+    """
+    if alpha <= 1.0:
+        raise ValueError("policy: certified needs entmax (alpha > 1)")
+    q = prep_query(q)
+    B, HQ, D = q.shape
+    H = cache.kv_heads
+    S = HQ if policy.per_query_head else H
+    NG = HQ // S
+    M = cache.block_table.shape[1]
+    ids = seq_ids.to(device=q.device, dtype=torch.int32)
+    seed = policy.seed
+    if isinstance(seed, TopK):
+        ubs = torch.empty(B, HQ, M, dtype=torch.float32, device=q.device)
+        seed_sel = select_topk(q, cache, ids, budget=seed.budget, sinks=seed.sinks, window=seed.window,
+                               per_query_head=seed.per_query_head, scale=scale, slopes=slopes, ub=ubs)
+    else:
+        from .gaussian import select_gaussian
+
+        seed_sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+        ubs = bounds_with_slack(q, cache, ids, scale=scale, slopes=slopes)
+    mask = page_mask(seed_sel, B, S, M)
+    if seed_sel.pages.shape[1] == S:
+        a_sel = seed_sel
+    else:
+        a_sel = _compact(mask, None, None, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=0, window=0,
+                         add=False, forced=False)
+    tau_a = selection_tau(q, cache, ids, a_sel, alpha=alpha, scale=scale, slopes=slopes,
+                          tau_init=seed_sel.tau_hat)
+    return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
+                    window=policy.window, add=True, forced=True)
+
+
+def certify(
+    ub: torch.Tensor,
+    sel: Selection,
+    tau: torch.Tensor,
+    alpha: float,
+    seq_lens: torch.Tensor,
+    *,
+    page_size: int,
+    slack: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-head certificate that sparse attention equals full-cache attention.
+
+    Triton twin of ``entmaxkv.attention.certify``: True when every valid
+    unselected page has (alpha-1) * (ub + slack) <= tau (softmax: when no
+    valid page was left out).
+
+    Args:
+        ub: float [batch, q_heads, M] Quest bounds (-inf past the end).
+        sel: the Selection used (S = kv_heads or q_heads selection heads).
+        tau: float [batch, q_heads] exact thresholds over the selection.
+        alpha: >= 1; seq_lens: int [batch] sequence lengths (one per row).
+        page_size: tokens per page; slack: optional float [batch, q_heads, M].
+    Returns:
+        bool [batch, q_heads].
+    """
+    B, HQ, M = ub.shape
+    S = sel.pages.shape[1]
+    dev = ub.device
+    ub32 = ub.to(torch.float32).contiguous()
+    sl32 = slack.to(torch.float32).contiguous() if slack is not None else ub32
+    tau32 = tau.to(device=dev, dtype=torch.float32).contiguous()
+    lens = seq_lens.to(device=dev, dtype=torch.int64).contiguous()
+    mask = page_mask(sel, B, S, M)
+    viol = torch.zeros(B * HQ, dtype=torch.int32, device=dev)
+    block_m = 512
+    _certify_kernel[(B * HQ, triton.cdiv(M, block_m))](
+        ub32, sl32, mask, tau32, lens, viol,
+        float(alpha - 1.0), M, HQ,
+        S=S, NG=HQ // S, P=page_size, BLOCK_M=block_m,
+        SOFTMAX=alpha == 1.0, HAS_SLACK=slack is not None, num_warps=4,
+    )
+    return (viol == 0).view(B, HQ)
