@@ -177,7 +177,7 @@ def ref_row(q, k4, v4, b, alpha, scale, pages=None, P=16):
             kk, vv = k4[b, kv].float(), v4[b, kv].float()
         else:
             s = kv if len(pages) == H else h
-            tok = (pages[s][:, None] * P + torch.arange(P, device=pages.device)).flatten()
+            tok = (pages[s][:, None] * P + torch.arange(P, device=pages[s].device)).flatten()
             tok = tok[tok < k4.shape[2]]
             kk, vv = k4[b, kv, tok].float(), v4[b, kv, tok].float()
         sc = (kk @ q[b, h].float()) * scale
@@ -281,8 +281,11 @@ def main(argv=None):
                 row.update(ms=ms, ms_min=ts[0], ms_max=ts[-1], bytes=total, floor_ms=floor, ratio=ms / floor,
                            coverage=cov, GBps=total / ms / 1e6)
                 if args.check:
-                    err, terr = check(cfg, meth, res, q, k4, v4, scale)
-                    row.update(rel_err=err, tau_abs_err=terr)
+                    try:
+                        err, terr = check(cfg, meth, res, q, k4, v4, scale)
+                        row.update(rel_err=err, tau_abs_err=terr)
+                    except Exception as exc:  # noqa: BLE001
+                        row.update(check_error=f"{type(exc).__name__}: {exc}"[:300])
                 del g, res
             except Exception as exc:  # keep going: one failing method must not hide the others
                 row.update(error=f"{type(exc).__name__}: {exc}"[:500])

@@ -75,6 +75,18 @@ def main(argv=None):
         grid = [(torch.float16, 32, (2, 1), 16), (torch.bfloat16, 128, (2, 4), 16),
                 (torch.float32, 64, (2, 4), 8), (torch.float16, 256, (2, 1), 128)]
     for case_i, (dtype, D, (H, G), P) in enumerate(grid):
+        try:
+            run_case(case_i, dtype, D, H, G, P, K, report)
+        except Exception as exc:  # noqa: BLE001  (a compile error must not hide the other cases)
+            report(f"case {case_i} {dtype} D{D} H{H}G{G} P{P}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
+    print(f"\n{n_cases - len(fails)}/{n_cases} checks passed in {time.time() - t0:.0f}s")
+    for f in fails[:40]:
+        print("  " + f)
+    return 1 if fails else 0
+
+
+def run_case(case_i, dtype, D, H, G, P, K, report):
+    if True:
         lens = [3000 + 17 * case_i, 1537, P + 3]
         cache, ids, q = make(lens, H, G, D, P, dtype, seed=case_i)
         scale = 1.0 / math.sqrt(D)
@@ -163,17 +175,14 @@ def main(argv=None):
             torch.cuda.synchronize()
             report(f"cuda graph {tag}", bool(torch.equal(go, eo)), "replay == eager")
         del cache
-    print(f"\n{n_cases - len(fails)}/{n_cases} checks passed in {time.time() - t0:.0f}s")
-    for f in fails[:40]:
-        print("  " + f)
-    return 1 if fails else 0
 
 
 def _has_gaussian() -> bool:
+    """The reference Gaussian solver exists (entmaxkv/gaussian.py)."""
     try:
-        from entmaxkv.kernels import gaussian  # noqa: F401
+        from entmaxkv.gaussian import solve_tau_hat
 
-        return True
+        return callable(solve_tau_hat)
     except ImportError:
         return False
 

@@ -15,7 +15,12 @@ from . import __version__
 from .demo import add_demo_args, main_demo
 
 # command -> (module, help); imported lazily so `entmaxkv demo` stays light.
-EXTRA_COMMANDS = {}
+EXTRA_COMMANDS = {
+    "generate": ("entmaxkv.model.generate", "generate text with a trained entmax/softmax model through EntmaxKV"),
+    "quality": ("entmaxkv.eval.quality", "approximation quality (delta, rho, R, coverage) per policy: synthetic and captured Q/K/V"),
+    "passkey": ("entmaxkv.eval.passkey", "passkey retrieval accuracy over context lengths and token budgets"),
+    "perplexity": ("entmaxkv.eval.perplexity", "held-out perplexity under full and sparse decoding"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,7 +43,7 @@ def add_perplexity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
                    help="top-k token budgets (default 1024 2048 4096 8192)")
     g.add_argument("--windows", type=int, default=4, help="test windows per length (default 4)")
-    g.add_argument("--tail", type=int, default=128, help="decoded (scored) tokens per window (default 128)")
+    g.add_argument("--tail", type=int, default=64, help="decoded (scored) tokens per window (default 64)")
     g.add_argument("--q-max", type=float, default=0.995, help="Gaussian page-max quantile")
     g.add_argument("--margin", type=float, default=0.0, help="Gaussian threshold margin")
     g.add_argument("--certified-seed-budget", type=int, default=1024,

@@ -59,39 +59,49 @@ POLISH_ITERS = 2
 # on its support, so a handful suffice; the cap only guards pathological rows).
 NEWTON_MAX = 64
 # Newton steps per tile that tighten the running lower bound in pass 1.
-TILE_NEWTON = 2
+TILE_NEWTON = 1
 
 
 # ---------------------------------------------------------------------------
 # heuristics
 # ---------------------------------------------------------------------------
 
+# Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
+TUNE: dict = {}
+# Programs per multiprocessor the split count aims for.
+SPLIT_FACTOR = 8
 
-def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device) -> dict:
+
+def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool) -> dict:
     """Block sizes and split count from shapes only (graph-capturable)."""
-    use_dot = NG >= 3
+    # Measured on the H200 (benchmarks/tune.py, 2026-11-30): one head per
+    # program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps; tl.dot path,
+    # d 128: 128 x 4 warps; 8 programs per SM for both.
+    use_dot = NG >= 2
     block_d = next_pow2(D)
     if use_dot:
         block_g = max(16, next_pow2(NG))
         block_d = max(16, block_d)
-        block_t = max(16, min(128, 8192 // block_d))
+        block_t = max(16, min(128, 16384 // block_d))
+        warps = 4
     else:
-        block_g = next_pow2(NG)
-        block_t = max(16, min(256, 8192 // (block_g * block_d)))
+        block_g = 1
+        if softmax:
+            block_t, warps = max(16, min(256, 8192 // block_d)), 4
+        else:
+            block_t, warps = max(16, min(512, 16384 // block_d)), 8
+    stages = 3
+    key = (NG, D, softmax)
+    if key in TUNE:
+        block_t, warps, stages = TUNE[key]
     if interpreting():
         block_t = min(block_t, 32)
     rows = B * S
-    target = 4 * num_sms(device)
+    target = SPLIT_FACTOR * num_sms(device)
     tokens = W * P
     nsplit = max(1, min(cdiv(target, rows), W, 128, max(1, tokens // (2 * block_t))))
-    return dict(
-        USE_DOT=use_dot,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
-        BLOCK_T=block_t,
-        NSPLIT=nsplit,
-        num_warps=4 if block_t * block_d <= 4096 else 8,
-    )
+    return dict(USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t,
+                NSPLIT=nsplit, num_warps=warps, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------
@@ -100,30 +110,24 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device) -> dict:
 
 
 @triton.jit
-def _qk(b_q, b_k, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """Raw dot products [BLOCK_G, BLOCK_T] of query rows and key rows, float32."""
-    if USE_DOT:
-        if DOT_F32:
-            b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision=PREC)
-        else:
-            b_s = tl.dot(b_q.to(b_k.dtype), tl.trans(b_k))
+def _qk(b_q, b_k, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """Dot products [BLOCK_G, BLOCK_T] of query rows and key rows (float32 out)."""
+    if DOT_F32:
+        b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision=PREC)
     else:
-        b_s = tl.sum(b_q.to(tl.float32)[:, None, :] * b_k.to(tl.float32)[None, :, :], axis=2)
+        b_s = tl.dot(b_q.to(b_k.dtype), tl.trans(b_k))
     return b_s
 
 
 @triton.jit
-def _pv(b_p, b_v, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+def _pv(b_p, b_v, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """sum_t p[g, t] v[t, :] in float32; p is split hi + lo for low-precision V."""
-    if USE_DOT:
-        if DOT_F32:
-            b_o = tl.dot(b_p, b_v.to(tl.float32), input_precision=PREC)
-        else:
-            p_hi = b_p.to(b_v.dtype)
-            p_lo = (b_p - p_hi.to(tl.float32)).to(b_v.dtype)
-            b_o = tl.dot(p_hi, b_v) + tl.dot(p_lo, b_v)
+    if DOT_F32:
+        b_o = tl.dot(b_p, b_v.to(tl.float32), input_precision=PREC)
     else:
-        b_o = tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
+        p_hi = b_p.to(b_v.dtype)
+        p_lo = (b_p - p_hi.to(tl.float32)).to(b_v.dtype)
+        b_o = tl.dot(p_hi, b_v) + tl.dot(p_lo, b_v)
     return b_o
 
 
@@ -137,7 +141,7 @@ def _split_kernel(
     stride_kp, stride_kh, stride_kr,
     stride_vp, stride_vh, stride_vr,
     stride_bt, stride_pb, stride_ph, stride_cb,
-    HQ, G, W, CAPS,
+    HQ, G, W, KROWS,
     S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -145,12 +149,22 @@ def _split_kernel(
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
+    """One (batch row, selection head, split): scores of a share of the kept tokens.
+
+    USE_DOT (NG >= 2 heads per K tile): scores by tl.dot, one running state per
+    head. Otherwise (one head): "lane-parallel" state, one running max / sum /
+    accumulator per token slot of the tile, merged once after the loop, so the
+    loop body has no cross-warp reduction (softmax) or a single one (entmax).
+    Entmax candidates of head r, slot t go to column s * BLOCK_T + t, row
+    = that slot's candidate count, of the [KROWS, NSLOT] table of head r.
+    """
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     i_b = i_r // S
     i_sh = i_r % S
     h0 = i_sh * NG  # first query head of this selection row
     kvh = h0 // G
+    NSLOT: tl.constexpr = NSPLIT * BLOCK_T
 
     # -- sequence, selected pages and this program's share of them
     seq = tl.load(ids_ptr + i_b).to(tl.int64)
@@ -168,26 +182,42 @@ def _split_kernel(
     m_g = o_g < NG
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g)[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
-    if HAS_ALIBI:
-        b_sl = tl.load(slopes_ptr + h0 + o_g, mask=m_g, other=0.0)
+    o_tt = tl.arange(0, BLOCK_T)
     p_bt = bt_ptr + seq * stride_bt
     p_pages = pages_ptr + i_b.to(tl.int64) * stride_pb + i_sh * stride_ph
-
-    if SOFTMAX:
-        b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        b_l = tl.zeros([BLOCK_G], tl.float32)
-        b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    o_col = i_s * BLOCK_T + o_tt  # candidate columns of this program
+    if USE_DOT:
+        p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g)[:, None] * stride_qh + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+        if HAS_ALIBI:
+            b_sl = tl.load(slopes_ptr + h0 + o_g, mask=m_g, other=0.0)
+        if SOFTMAX:
+            b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            b_l = tl.zeros([BLOCK_G], tl.float32)
+            b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        else:
+            b_lb = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            b_mx = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            b_nc = tl.zeros([BLOCK_G, BLOCK_T], tl.int32)
+            o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * KROWS * NSLOT)[:, None] + o_col[None, :]
     else:
-        b_lb = tl.full([BLOCK_G], float("-inf"), tl.float32)  # lower bound on tau
-        b_mx = tl.full([BLOCK_G], float("-inf"), tl.float32)  # max x seen
-        b_nc = tl.zeros([BLOCK_G], tl.int32)  # candidates written
-        o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s) * CAPS  # [BLOCK_G]
+        b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + h0 * stride_qh + o_d, mask=m_d, other=0.0)
+        b_q = b_q.to(tl.float32)
+        if HAS_ALIBI:
+            b_sl = tl.load(slopes_ptr + h0)
+        if SOFTMAX:
+            b_m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+            b_l = tl.zeros([BLOCK_T], tl.float32)
+            b_acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        else:
+            b_lb = tl.full([], float("-inf"), tl.float32)
+            b_mx = tl.full([], float("-inf"), tl.float32)
+            b_nc = tl.zeros([BLOCK_T], tl.int32)
+            o_c = (i_b * HQ + h0).to(tl.int64) * KROWS * NSLOT + o_col
 
     for t0 in range(t_lo, t_hi, BLOCK_T):
         # -- token slots -> logical page -> physical page (through the block table)
-        o_t = t0 + tl.arange(0, BLOCK_T)
+        o_t = t0 + o_tt
         m_t = o_t < t_hi
         i_slot = o_t // P
         i_row = o_t % P
@@ -200,88 +230,138 @@ def _split_kernel(
         phys = tl.load(p_bt + logical, mask=m_tok, other=0).to(tl.int64)
         o_k = phys * stride_kp + kvh * stride_kh + i_row * stride_kr
         b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
+        rel = (pos - pos_q).to(tl.float32)
 
-        # -- scores of the NG heads on this tile, [BLOCK_G, BLOCK_T]
-        b_s = _qk(b_q, b_k, USE_DOT, DOT_F32, PREC) * scale
-        if HAS_ALIBI:
-            b_s += b_sl[:, None] * (pos - pos_q).to(tl.float32)[None, :]
-        m_s = m_g[:, None] & m_tok[None, :]
-        b_s = tl.where(m_s, b_s, float("-inf"))
-
-        if SOFTMAX:
-            m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = tl.exp(b_s - m_use[:, None])
-            corr = tl.exp(b_m - m_use)
-            b_l = b_l * corr + tl.sum(b_p, axis=1)
-            o_v = phys * stride_vp + kvh * stride_vh + i_row * stride_vr
-            b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
-            b_acc = b_acc * corr[:, None] + _pv(b_p, b_v, USE_DOT, DOT_F32, PREC)
-            b_m = m_new
+        if USE_DOT:
+            # ---- NG heads share the tile: [BLOCK_G, BLOCK_T] scores by tl.dot
+            b_s = _qk(b_q, b_k, DOT_F32, PREC) * scale
+            if HAS_ALIBI:
+                b_s += b_sl[:, None] * rel[None, :]
+            b_s = tl.where(m_g[:, None] & m_tok[None, :], b_s, float("-inf"))
+            if SOFTMAX:
+                m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                b_p = tl.exp(b_s - m_use[:, None])
+                corr = tl.exp(b_m - m_use)
+                b_l = b_l * corr + tl.sum(b_p, axis=1)
+                o_v = phys * stride_vp + kvh * stride_vh + i_row * stride_vr
+                b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
+                b_acc = b_acc * corr[:, None] + _pv(b_p, b_v, DOT_F32, PREC)
+                b_m = m_new
+            else:
+                b_x = b_s * am1
+                m_x = tl.max(b_x, axis=1)
+                b_mx = tl.maximum(b_mx, m_x)
+                # tau >= tau_tile >= m_x - 1, and a Newton step from a point where
+                # f_tile >= 0 stays below tau_tile (f convex for alpha <= 2).
+                b_t = tl.maximum(b_lb, m_x - 1.0)
+                for _ in tl.static_range(NEWTON):
+                    b_u = tl.where(b_x > b_t[:, None], b_x - b_t[:, None], 0.0)
+                    u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+                    f = tl.sum(u0, axis=1) - 1.0
+                    fp = beta * tl.sum(u1, axis=1)
+                    b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+                b_lb = tl.maximum(b_lb, b_t)
+                m_c = b_x > b_lb[:, None]  # only these can be in the support
+                p_c = o_c + b_nc.to(tl.int64) * NSLOT
+                tl.store(cx_ptr + p_c, b_x, mask=m_c)
+                b_tok = (phys * P + i_row).to(tl.int32)
+                tl.store(ci_ptr + p_c, tl.broadcast_to(b_tok[None, :], [BLOCK_G, BLOCK_T]), mask=m_c)
+                b_nc += m_c.to(tl.int32)
         else:
-            b_x = b_s * am1
-            m_x = tl.max(b_x, axis=1)
-            b_mx = tl.maximum(b_mx, m_x)
-            # Tighten the lower bound: tau_tile >= m_x - 1, and a Newton step from
-            # a point where f_tile >= 0 stays below tau_tile <= tau (f convex).
-            b_t = tl.maximum(b_lb, m_x - 1.0)
-            for _ in tl.static_range(NEWTON):
-                b_u = tl.where(b_x > b_t[:, None], b_x - b_t[:, None], 0.0)
-                u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-                f = tl.sum(u0, axis=1) - 1.0
-                fp = beta * tl.sum(u1, axis=1)
-                b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
-            b_lb = tl.maximum(b_lb, b_t)
-            # -- write the candidates x > lb (the only scores that reach HBM)
-            m_c = b_x > b_lb[:, None]
-            i_c = tl.cumsum(m_c.to(tl.int32), axis=1) - 1 + b_nc[:, None]
-            p_c = o_c[:, None] + i_c
-            tl.store(cx_ptr + p_c, b_x, mask=m_c)
-            b_tok = (phys * P + i_row).to(tl.int32)
-            tl.store(ci_ptr + p_c, tl.broadcast_to(b_tok[None, :], [BLOCK_G, BLOCK_T]), mask=m_c)
-            b_nc += tl.sum(m_c.to(tl.int32), axis=1)
+            # ---- one head: per-slot running state, no per-tile reduction
+            b_s = tl.sum(b_q[None, :] * b_k.to(tl.float32), axis=1) * scale
+            if HAS_ALIBI:
+                b_s += b_sl * rel
+            b_s = tl.where(m_tok, b_s, float("-inf"))
+            if SOFTMAX:
+                m_new = tl.maximum(b_m, b_s)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                b_p = tl.exp(b_s - m_use)
+                corr = tl.exp(b_m - m_use)
+                b_l = b_l * corr + b_p
+                o_v = phys * stride_vp + kvh * stride_vh + i_row * stride_vr
+                b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
+                b_acc = b_acc * corr[:, None] + b_p[:, None] * b_v.to(tl.float32)
+                b_m = m_new
+            else:
+                b_x = b_s * am1
+                m_x = tl.max(b_x, axis=0)
+                b_mx = tl.maximum(b_mx, m_x)
+                b_t = tl.maximum(b_lb, m_x - 1.0)
+                for _ in tl.static_range(NEWTON):
+                    b_u = tl.where(b_x > b_t, b_x - b_t, 0.0)
+                    u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+                    f = tl.sum(u0, axis=0) - 1.0
+                    fp = beta * tl.sum(u1, axis=0)
+                    b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+                b_lb = tl.maximum(b_lb, b_t)
+                m_c = b_x > b_lb
+                p_c = o_c + b_nc.to(tl.int64) * NSLOT
+                tl.store(cx_ptr + p_c, b_x, mask=m_c)
+                tl.store(ci_ptr + p_c, (phys * P + i_row).to(tl.int32), mask=m_c)
+                b_nc += m_c.to(tl.int32)
 
     o_r = (i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s
     if SOFTMAX:
+        if not USE_DOT:  # merge the per-slot states
+            m_all = tl.max(b_m, axis=0)
+            m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+            w = tl.exp(b_m - m_use)
+            b_l = tl.sum(w * b_l, axis=0)[None]
+            b_acc = tl.sum(w[:, None] * b_acc, axis=0)[None, :]
+            b_m = m_all[None]
         tl.store(pm_ptr + o_r, b_m, mask=m_g)
         tl.store(pl_ptr + o_r, b_l, mask=m_g)
         tl.store(pacc_ptr + o_r[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
     else:
-        tl.store(cn_ptr + o_r, b_nc, mask=m_g)
-        tl.store(clb_ptr + o_r, b_lb, mask=m_g)
-        tl.store(cm_ptr + o_r, b_mx, mask=m_g)
+        if USE_DOT:
+            o_n = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSLOT)[:, None] + o_col[None, :]
+            tl.store(cn_ptr + o_n, b_nc, mask=m_g[:, None])
+            tl.store(clb_ptr + o_r, b_lb, mask=m_g)
+            tl.store(cm_ptr + o_r, b_mx, mask=m_g)
+        else:
+            tl.store(cn_ptr + (i_b * HQ + h0).to(tl.int64) * NSLOT + o_col, b_nc)
+            tl.store(clb_ptr + o_r, b_lb[None], mask=m_g)
+            tl.store(cm_ptr + o_r, b_mx[None], mask=m_g)
 
 
 @triton.jit
-def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAPS,
-               NS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
-    """Sums over the candidates x > tau of one row.
+def _cand_sums(p_x, p_n, tau, mshift, beta,
+               NSLOT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+               BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
+    """Sums over the candidates x > tau of one head ([KROWS, NSLOT] table, column
+    j holding p_n[j] entries).
 
     ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x) for the
     closed forms; ORDER 2: (f, f', f'') of f = sum [x - tau]_+^beta - 1.
     """
-    o_s = tl.arange(0, NS_P2)
-    a0 = tl.zeros([NS_P2, BLOCK_C], tl.float32)
-    a1 = tl.zeros([NS_P2, BLOCK_C], tl.float32)
-    a2 = tl.zeros([NS_P2, BLOCK_C], tl.float32)
-    a3 = tl.full([NS_P2, BLOCK_C], float("inf"), tl.float32)
-    for off in range(0, max_n, BLOCK_C):
-        o_j = off + tl.arange(0, BLOCK_C)
-        m_j = o_j[None, :] < n_s[:, None]
-        b_x = tl.load(p_x + o_s[:, None].to(tl.int64) * CAPS + o_j[None, :], mask=m_j, other=float("-inf"))
-        on = b_x > tau
-        if ORDER == 0:
-            d = tl.where(on, b_x - mshift, 0.0)
-            a0 += on.to(tl.float32)
-            a1 += d
-            a2 += d * d
-            a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
-        else:
-            b_u = tl.where(on, b_x - tau, 0.0)
-            u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-            a0 += u0
-            a1 += u1
-            a2 += tl.where(on, u1 / tl.where(on, b_u, 1.0), 0.0)
+    a0 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
+    a1 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
+    a2 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
+    a3 = tl.full([BLOCK_K, BLOCK_S], float("inf"), tl.float32)
+    for j0 in range(0, NSLOT, BLOCK_S):
+        o_j = j0 + tl.arange(0, BLOCK_S)
+        n_j = tl.load(p_n + o_j, mask=o_j < NSLOT, other=0)
+        k_hi = tl.max(n_j, axis=0)
+        for k0 in range(0, k_hi, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_j = o_k[:, None] < n_j[None, :]
+            b_x = tl.load(p_x + o_k[:, None].to(tl.int64) * NSLOT + o_j[None, :], mask=m_j,
+                          other=float("-inf"))
+            on = b_x > tau
+            if ORDER == 0:
+                d = tl.where(on, b_x - mshift, 0.0)
+                a0 += on.to(tl.float32)
+                a1 += d
+                a2 += d * d
+                a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
+            else:
+                b_u = tl.where(on, b_x - tau, 0.0)
+                u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+                a0 += u0
+                a1 += u1
+                a2 += tl.where(on, u1 / tl.where(on, b_u, 1.0), 0.0)
     r0 = tl.sum(tl.sum(a0, axis=1), axis=0)
     r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
     r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
@@ -296,22 +376,26 @@ def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAPS,
 @triton.jit
 def _solve_kernel(
     cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
-    alpha, beta, CAPS,
-    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_C: tl.constexpr,
+    alpha, beta, KROWS,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, NSLOT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
 ):
+    """Exact tau of one query head over its candidates."""
     i_r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, NS_P2)
     m_s = o_s < NSPLIT
-    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
     lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
     m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    total = tl.sum(n_s, axis=0)
-    max_n = tl.max(n_s, axis=0)
+    p_n = cn_ptr + i_r * NSLOT
+    p_x = cx_ptr + i_r * KROWS * NSLOT
+    total = tl.zeros([], tl.int32)
+    for j0 in range(0, NSLOT, BLOCK_S):
+        o_j = j0 + tl.arange(0, BLOCK_S)
+        total += tl.sum(tl.load(p_n + o_j, mask=o_j < NSLOT, other=0), axis=0)
     empty = total == 0
     m = tl.where(empty, 0.0, m)
-    p_x = cx_ptr + i_r * NSPLIT * CAPS
 
     # Bracket [lo, hi]: f(m - 1) >= 0 and, over c candidates, f(m - c^(1-alpha)) <= 0.
     c = tl.maximum(total, 1).to(tl.float32)
@@ -326,7 +410,7 @@ def _solve_kernel(
         it = tl.full([], 0, tl.int32)
         go = tl.full([], 1, tl.int32)
         while (go != 0) & (it < NEWTON_CAP):
-            k, s1, s2, mn = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAPS, NS_P2, BLOCK_C, BETA_KIND, 0)
+            k, s1, s2, mn = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 0)
             kk = tl.maximum(k, 1.0)
             dt = tau - m
             if BETA_KIND == 1:
@@ -352,7 +436,7 @@ def _solve_kernel(
         else:
             tau = lo
         for _ in range(HALLEY):
-            f, d1, d2, _mn = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAPS, NS_P2, BLOCK_C, BETA_KIND, 2)
+            f, d1, d2, _mn = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
             above = f > 0
             lo = tl.where(above, tau, lo)
             hi = tl.where(above, hi, tau)
@@ -365,7 +449,7 @@ def _solve_kernel(
             ok = (cand >= lo) & (cand <= hi) & (d1 != 0)
             tau = tl.where(ok, cand, 0.5 * (lo + hi))
         for _ in range(POLISH):
-            f, d1, d2, _mn = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAPS, NS_P2, BLOCK_C, BETA_KIND, 2)
+            f, d1, d2, _mn = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
             step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
             tau = tl.minimum(tl.maximum(tau + step, lo), hi)
     tau = tl.where(empty, float("inf"), tau)
@@ -375,38 +459,40 @@ def _solve_kernel(
 @triton.jit
 def _vacc_kernel(
     v_ptr, cx_ptr, ci_ptr, cn_ptr, tau_ptr, pacc_ptr,
-    beta, CAPS,
+    beta, KROWS,
     stride_vp, stride_vh, stride_vr,
     HQ, G,
-    S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
+    S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr,
 ):
+    """p = [x - tau]_+^beta over one split's candidates; V rows only where p > 0."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     i_b = i_r // S
     h0 = (i_r % S) * NG
     kvh = h0 // G
+    NSLOT: tl.constexpr = NSPLIT * BLOCK_T
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     for g in range(NG):
         r = (i_b * HQ + h0 + g).to(tl.int64)
         tau = tl.load(tau_ptr + r)
-        n_c = tl.load(cn_ptr + r * NSPLIT + i_s)
-        base = (r * NSPLIT + i_s) * CAPS
-        b_acc = tl.zeros([BLOCK_D], tl.float32)
-        for off in range(0, n_c, BLOCK_C):
-            o_j = off + tl.arange(0, BLOCK_C)
-            m_j = o_j < n_c
-            b_x = tl.load(cx_ptr + base + o_j, mask=m_j, other=float("-inf"))
-            b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
-            m_p = m_j & (b_p > 0)
-            # V rows only for tokens in the support
-            b_tok = tl.load(ci_ptr + base + o_j, mask=m_p, other=0)
-            o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
-            b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
-            b_acc += tl.sum(tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32), axis=0)
-        tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, b_acc, mask=m_d)
+        b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+        for c0 in range(0, BLOCK_T, BLOCK_C):
+            o_j = i_s * BLOCK_T + c0 + tl.arange(0, BLOCK_C)
+            n_j = tl.load(cn_ptr + r * NSLOT + o_j)
+            for k in range(0, tl.max(n_j, axis=0)):
+                m_j = k < n_j
+                o_x = (r * KROWS + k) * NSLOT + o_j
+                b_x = tl.load(cx_ptr + o_x, mask=m_j, other=float("-inf"))
+                b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+                m_p = m_j & (b_p > 0)
+                b_tok = tl.load(ci_ptr + o_x, mask=m_j, other=0)
+                o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
+                b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+                b_acc += tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
+        tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, tl.sum(b_acc, axis=0), mask=m_d)
 
 
 @triton.jit
@@ -469,14 +555,12 @@ def _run(
     G = HQ // H
     NG = HQ // S
     dev = q.device
-    if q.dtype == torch.float64:  # the oracle dtype: run in float32
-        qk = q.float()
-    else:
-        qk = q
-    cfg = _plan(B, S, NG, D, W, P, dev)
-    NSPLIT = cfg["NSPLIT"]
-    NS_P2 = next_pow2(NSPLIT)
+    qk = q.float() if q.dtype == torch.float64 else q  # the oracle dtype runs in float32
     softmax = alpha == 1.0
+    cfg = _plan(B, S, NG, D, W, P, dev, softmax)
+    NSPLIT, BLOCK_T = cfg["NSPLIT"], cfg["BLOCK_T"]
+    NS_P2 = next_pow2(NSPLIT)
+    NSLOT = NSPLIT * BLOCK_T
     dot_f32, prec = dot_flags(cache.dtype)
     if qk.dtype != cache.dtype:
         dot_f32, prec = True, "ieee"
@@ -492,16 +576,17 @@ def _run(
     pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev)
     beta = 1.0 / (alpha - 1.0) if not softmax else 1.0
     bk = beta_kind(alpha)
+    KROWS = 1
     if softmax:
         pm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pl = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         cx = ci = cn = clb = cm = pm  # unused
-        CAPS = 1
     else:
-        CAPS = cdiv(W, NSPLIT) * P
-        cx = torch.empty(R * NSPLIT * CAPS, dtype=f32, device=dev)
-        ci = torch.empty(R * NSPLIT * CAPS, dtype=torch.int32, device=dev)
-        cn = torch.empty(R, NSPLIT, dtype=torch.int32, device=dev)
+        # candidate table per head: [KROWS, NSLOT], column = (split, slot)
+        KROWS = cdiv(cdiv(W, NSPLIT) * P, BLOCK_T)
+        cx = torch.empty(R * KROWS * NSLOT, dtype=f32, device=dev)
+        ci = torch.empty(R * KROWS * NSLOT, dtype=torch.int32, device=dev)
+        cn = torch.empty(R, NSLOT, dtype=torch.int32, device=dev)
         clb = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
@@ -515,35 +600,36 @@ def _run(
         qk.stride(0), qk.stride(1),
         skp, skh, skr, svp, svh, svr,
         cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
-        HQ, G, W, CAPS,
+        HQ, G, W, KROWS,
         S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
-        BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=cfg["BLOCK_T"],
+        BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec,
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not softmax:
-        block_c = max(16, min(1024, 4096 // NS_P2))
+        block_s = min(next_pow2(NSLOT), 2048)
+        block_k = max(1, min(4, 4096 // block_s))
         tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
         _solve_kernel[(R,)](
             cx, cn, clb, cm, tinit, tau,
-            float(alpha), float(beta), CAPS,
-            NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_C=block_c,
+            float(alpha), float(beta), KROWS,
+            NSPLIT=NSPLIT, NS_P2=NS_P2, NSLOT=NSLOT, BLOCK_S=block_s, BLOCK_K=block_k,
             BETA_KIND=bk, HAS_INIT=tau_init is not None,
             HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
-            num_warps=4,
+            num_warps=8,
         )
         if not want_out:
             return None, tau.view(B, HQ)
         block_d = next_pow2(D)
         _vacc_kernel[(B * S, NSPLIT)](
             cache.v_pages, cx, ci, cn, tau, pacc,
-            float(beta), CAPS,
+            float(beta), KROWS,
             svp, svh, svr,
             HQ, G,
-            S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
-            BLOCK_C=max(16, min(128, 4096 // block_d)), BETA_KIND=bk,
+            S=S, NG=NG, NSPLIT=NSPLIT, BLOCK_T=BLOCK_T, P=P, D=D, BLOCK_D=block_d,
+            BLOCK_C=max(1, min(BLOCK_T, 4096 // block_d)), BETA_KIND=bk,
             num_warps=4,
         )
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)

@@ -1,0 +1,445 @@
+"""Gaussian-aware page selection: page statistics, the tau_hat solve, the threshold test.
+
+Reference: ``entmaxkv.policies.select`` with ``Gaussian`` (and
+``entmaxkv.gaussian.solve_tau_hat``). Shapes: B batch, HQ query heads,
+H KV heads, S selection heads, NG = HQ // S, M logical pages, P page size,
+NCH page chunks of CH pages.
+
+Model (SPEC section 5): a token score of page p is S_p ~ N(mu_p, sigma_p^2);
+tau_hat solves F(tau) = sum_p n_p E[((alpha-1) S_p - tau)_+^beta] - 1 = 0, with
+closed forms for beta = 1, 2, 3 (alpha = 2, 1.5, 4/3). Page p is kept when
+(alpha-1) (mu_p + z_{n_p} sigma_p) > tau_hat - margin for any head of its
+selection row, z_n = Phi^{-1}(q_max^(1/n)).
+
+Launches (no host synchronisation, fixed count):
+1. ``_stats_kernel`` (B*H x NCH): mu, sigma of every page and head (one read
+   of k_mean / k_std) plus per-chunk partials: token-weighted sums for the
+   pooled Gaussian and the maxima that bracket tau_hat.
+2. ``_iter_kernel`` x NIT (B*HQ x NCH): safeguarded Halley on log(F + 1)
+   from the bracket's left end, one launch per iteration. Every program of a head rebuilds the same iterate from the
+   previous launch's partial sums (deterministic: same data, same order),
+   then writes its chunk's F, F', F'' at the new iterate. Skipped when pooled.
+3. ``_select_kernel`` (B*S x NCH): final iterate, threshold test, forced
+   pages, compaction with one atomic per chunk (pages unsorted).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..types import Selection
+from ._common import as_slopes, cdiv, interpreting, next_pow2
+from .scoring import load_queries, meta_strides, page_gauss, page_rows, prep_query, score_plan
+
+# Halley iterations of the page-mixture solve (one launch each).
+NIT = 4
+# Iterations of the scalar solves (pooled Gaussian start, pooled policy).
+SCALAR_ITERS = 24
+RSQRT2 = 0.7071067811865476
+RSQRT2PI = 0.3989422804014327
+
+# ---------------------------------------------------------------------------
+# heuristics
+# ---------------------------------------------------------------------------
+
+
+def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype) -> dict:
+    cfg = score_plan(NG, D, q_dtype, cache_dtype)
+    block_m = cfg["BLOCK_M"]
+    ch = max(block_m, min(256 if interpreting() else 2048, next_pow2(M)))
+    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch))
+    return cfg
+
+
+_ZTAB = {}
+
+
+def z_table(q_max: float, P: int, device) -> torch.Tensor:
+    """float32 [P + 1]: z_n = Phi^{-1}(q_max^(1/n)) for n = 1..P (index 0 unused).
+
+    Cached per (q_max, P, device) so that a captured CUDA graph never copies
+    from the host.
+    """
+    key = (float(q_max), int(P), str(device))
+    if key not in _ZTAB:
+        n = torch.arange(1, P + 1, dtype=torch.float32)
+        p = torch.as_tensor(q_max, dtype=torch.float32) ** (1.0 / n)
+        try:
+            from ..gaussian import normal_icdf
+
+            z = normal_icdf(p)
+        except (ImportError, TypeError):
+            z = torch.special.ndtri(p)
+        _ZTAB[key] = torch.cat([torch.zeros(1), z.to(torch.float32)]).to(device)
+    return _ZTAB[key]
+
+
+# ---------------------------------------------------------------------------
+# jit helpers
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _gauss_terms(mu_y, sig_y, BETA_KIND: tl.constexpr):
+    """Truncated moments of Y ~ N(mu_y, sig_y^2), in float64.
+
+    Returns e_b = E[Y+^beta], e_b1 = E[Y+^(beta-1)] and e_b2 = d^2/dtau^2 E[Y+^beta]
+    (BETA_KIND 1/2/3: beta = 1/2/3), so F = sum w e_b, F' = -beta sum w e_b1,
+    F'' = sum w e_b2. sig_y = 0 is the point mass. float64 because the closed
+    forms cancel badly in the tail (t << 0), where tau_hat lives at long context.
+    """
+    mu_y = mu_y.to(tl.float64)
+    sig_y = sig_y.to(tl.float64)
+    point = sig_y <= 0.0
+    s = tl.where(point, 1.0, sig_y)
+    t = mu_y / s
+    cdf = tl.where(point, (mu_y > 0).to(tl.float64), 0.5 * (1.0 + tl.erf(t * 0.7071067811865476)))
+    pdf = tl.where(point, 0.0, 0.3989422804014327 * tl.exp(-0.5 * t * t))
+    sg = tl.where(point, 0.0, sig_y)
+    e1 = mu_y * cdf + sg * pdf
+    e1 = tl.where(point, tl.maximum(mu_y, 0.0), e1)
+    if BETA_KIND == 1:
+        e_b = e1
+        e_b1 = cdf
+        e_b2 = tl.where(point, 0.0, pdf / s)
+    else:
+        e2 = (mu_y * mu_y + sg * sg) * cdf + mu_y * sg * pdf
+        e2 = tl.where(point, e1 * e1, e2)
+        if BETA_KIND == 2:
+            e_b = e2
+            e_b1 = e1
+            e_b2 = 2.0 * cdf
+        else:
+            e3 = (mu_y * mu_y * mu_y + 3.0 * mu_y * sg * sg) * cdf + sg * (mu_y * mu_y + 2.0 * sg * sg) * pdf
+            e3 = tl.where(point, e1 * e1 * e1, e3)
+            e_b = e3
+            e_b1 = e2
+            e_b2 = 6.0 * e1
+    return e_b, e_b1, e_b2
+
+
+@triton.jit
+def _halley_update(sm, d1, d2, tau, lo, hi):
+    """One safeguarded Halley step on g(tau) = log(F(tau) + 1), F + 1 = sm > 0.
+
+    g is close to linear-quadratic over the whole bracket (each term decays
+    like a Gaussian tail), so from the left end this converges in 3-4 steps
+    where Halley on F itself needs ~10. The bracket keeps the sign of F; a
+    step that leaves it (or is not finite) is replaced by bisection.
+    """
+    above = sm > 1.0
+    lo = tl.where(above, tau, lo)
+    hi = tl.where(above, hi, tau)
+    pos = sm > 0
+    sms = tl.where(pos, sm, 1.0)
+    g = tl.log(sms)
+    g1 = d1 / sms
+    g2 = d2 / sms - g1 * g1
+    g1s = tl.where(g1 != 0, g1, -1.0)
+    L = g * g2 / (g1s * g1s)
+    L = tl.where(L == L, L, 0.0)
+    L = tl.minimum(tl.maximum(L, -1.0), 1.0)
+    cand = tau - (g / g1s) / (1.0 - 0.5 * L)
+    ok = (cand >= lo) & (cand <= hi) & (g1 != 0) & pos
+    return tl.where(ok, cand, 0.5 * (lo + hi)), lo, hi
+
+
+@triton.jit
+def _pooled_tau(sw, mn, sq, am1, beta, ITERS: tl.constexpr, BETA_KIND: tl.constexpr):
+    """tau solving n_g E[((alpha-1) S - tau)_+^beta] = 1 for the pooled Gaussian
+    S ~ N(mu_g, sigma_g^2): token-weighted moments of the page mixture
+    (n_g = sw tokens, mu_g = mn, sigma_g^2 = sq / sw)."""
+    n_g = tl.maximum(sw, 1.0).to(tl.float64)
+    mu_g = mn.to(tl.float64)
+    sig_g = tl.sqrt(tl.maximum(sq.to(tl.float64) / n_g, 0.0))
+    lo = am1 * mu_g - 1.0
+    hi = tl.maximum(am1 * (mu_g + 12.0 * sig_g), lo + 1.0)
+    tau = lo
+    for _ in range(ITERS):
+        e_b, e_b1, e_b2 = _gauss_terms(am1 * mu_g - tau, am1 * sig_g, BETA_KIND)
+        tau, lo, hi = _halley_update(n_g * e_b, -beta * n_g * e_b1, n_g * e_b2, tau, lo, hi)
+    return tau
+
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _stats_kernel(
+    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmean_ptr, kstd_ptr,
+    mu_ptr, sg_ptr, st_ptr,
+    scale, am1, stride_qb, stride_qh, stride_mp, stride_mh,
+    HQ, G, M,
+    H: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = i_r // H
+    kvh = i_r % H
+    h0 = kvh * G
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    b_q, b_sl = load_queries(q_ptr, slopes_ptr, i_b, h0, stride_qb, stride_qh,
+                             G, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < G
+    o_row = (i_b * HQ + h0 + o_g).to(tl.int64)
+    # token-weighted (count, mean, M2) of the page mixture, merged block by block
+    # with Chan's formula (no E[x^2] - E[x]^2 cancellation under ALiBi offsets)
+    c_w = tl.zeros([BLOCK_G], tl.float32)
+    c_mn = tl.zeros([BLOCK_G], tl.float32)
+    c_q = tl.zeros([BLOCK_G], tl.float32)
+    a_lo = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
+    a_hi = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
+    for j in range(NSUB):
+        o_m = i_c * (NSUB * BLOCK_M) + j * BLOCK_M + tl.arange(0, BLOCK_M)
+        phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
+        b_mu, b_sig = page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, n - 1, kvh, scale,
+                                 stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+        m_out = m_g[:, None] & (o_m < M)[None, :]
+        o_out = o_row[:, None] * M + o_m[None, :]
+        tl.store(mu_ptr + o_out, b_mu, mask=m_out)
+        tl.store(sg_ptr + o_out, b_sig, mask=m_out)
+        w = n_tok.to(tl.float32)[None, :] + tl.zeros_like(b_mu)
+        w_b = tl.sum(w, axis=1)
+        mn_b = tl.sum(w * b_mu, axis=1) / tl.maximum(w_b, 1.0)
+        dev = b_mu - mn_b[:, None]
+        q_b = tl.sum(w * (dev * dev + b_sig * b_sig), axis=1)
+        w_n = c_w + w_b
+        delta = mn_b - c_mn
+        ratio = w_b / tl.maximum(w_n, 1.0)
+        c_q = c_q + q_b + delta * delta * c_w * ratio
+        c_mn = c_mn + delta * ratio
+        c_w = w_n
+        m_ok = m_v[None, :] & m_g[:, None]
+        a_lo = tl.maximum(a_lo, tl.where(m_ok, am1 * b_mu, float("-inf")))
+        a_hi = tl.maximum(a_hi, tl.where(m_ok, am1 * (b_mu + 12.0 * b_sig), float("-inf")))
+    o_st = (o_row * NCH + i_c) * 5
+    tl.store(st_ptr + o_st + 0, c_w, mask=m_g)
+    tl.store(st_ptr + o_st + 1, c_mn, mask=m_g)
+    tl.store(st_ptr + o_st + 2, c_q, mask=m_g)
+    tl.store(st_ptr + o_st + 3, tl.max(a_lo, axis=1), mask=m_g)
+    tl.store(st_ptr + o_st + 4, tl.max(a_hi, axis=1), mask=m_g)
+
+
+@triton.jit
+def _reduce_stats(st_ptr, r, NCH: tl.constexpr, NCH_P2: tl.constexpr):
+    """Merge the chunks' (count, mean, M2): pooled (n_g, mu_g, sigma_g^2 n_g) and the bracket maxima."""
+    o_c = tl.arange(0, NCH_P2)
+    m_c = o_c < NCH
+    p = st_ptr + (r * NCH + o_c) * 5
+    c_w = tl.load(p + 0, mask=m_c, other=0.0)
+    c_mn = tl.load(p + 1, mask=m_c, other=0.0)
+    c_q = tl.load(p + 2, mask=m_c, other=0.0)
+    sw = tl.sum(c_w, axis=0)
+    mn = tl.sum(c_w * c_mn, axis=0) / tl.maximum(sw, 1.0)
+    d = c_mn - mn
+    sq = tl.sum(c_q + c_w * d * d, axis=0)
+    mlo = tl.max(tl.load(p + 3, mask=m_c, other=float("-inf")), axis=0)
+    mhi = tl.max(tl.load(p + 4, mask=m_c, other=float("-inf")), axis=0)
+    return sw, mn, sq, mlo, mhi
+
+
+@triton.jit
+def _iterate(st_ptr, part_ptr, state_ptr, r, it, R, am1, beta,
+             NCH: tl.constexpr, NCH_P2: tl.constexpr, BETA_KIND: tl.constexpr, ITERS: tl.constexpr):
+    """The iterate tau_it of head r and its bracket, rebuilt from launch it-1's partials."""
+    if it == 0:
+        sw, mn, sq, mlo, mhi = _reduce_stats(st_ptr, r, NCH, NCH_P2)
+        lo = mlo.to(tl.float64) - 1.0  # F(lo) >= 0 (Jensen, beta >= 1)
+        hi = tl.maximum(mhi.to(tl.float64), lo + 1.0)  # F(hi) < 0 (12-sigma tails)
+        tau = lo
+    else:
+        p_s = state_ptr + ((it - 1) * R + r) * 3
+        lo = tl.load(p_s + 0)
+        hi = tl.load(p_s + 1)
+        tau = tl.load(p_s + 2)
+        o_c = tl.arange(0, NCH_P2)
+        m_c = o_c < NCH
+        p = part_ptr + (((it - 1) * R + r) * NCH + o_c) * 3
+        f = tl.sum(tl.load(p + 0, mask=m_c, other=0.0), axis=0)
+        d1 = -beta * tl.sum(tl.load(p + 1, mask=m_c, other=0.0), axis=0)
+        d2 = tl.sum(tl.load(p + 2, mask=m_c, other=0.0), axis=0)
+        tau, lo, hi = _halley_update(f, d1, d2, tau, lo, hi)
+    return tau, lo, hi
+
+
+@triton.jit
+def _iter_kernel(
+    ids_ptr, lens_ptr, mu_ptr, sg_ptr, st_ptr, part_ptr, state_ptr,
+    it, R, M, am1, beta,
+    NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
+    HQ: tl.constexpr, P: tl.constexpr, BETA_KIND: tl.constexpr, ITERS: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    tau, lo, hi = _iterate(st_ptr, part_ptr, state_ptr, i_r, it, R, am1, beta, NCH, NCH_P2, BETA_KIND, ITERS)
+    if i_c == 0:
+        p_s = state_ptr + (it * R + i_r) * 3
+        tl.store(p_s + 0, lo)
+        tl.store(p_s + 1, hi)
+        tl.store(p_s + 2, tau)
+    seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    a0 = tl.zeros([BLOCK], tl.float64)
+    a1 = tl.zeros([BLOCK], tl.float64)
+    a2 = tl.zeros([BLOCK], tl.float64)
+    for j0 in range(0, CH, BLOCK):
+        o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
+        w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float64)
+        m_v = (o_m < M) & (w > 0)
+        b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+        b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+        e_b, e_b1, e_b2 = _gauss_terms(am1 * b_mu - tau, am1 * b_sg, BETA_KIND)
+        a0 += tl.where(m_v, w * e_b, 0.0)
+        a1 += tl.where(m_v, w * e_b1, 0.0)
+        a2 += tl.where(m_v, w * e_b2, 0.0)
+    p = part_ptr + ((it * R + i_r) * NCH + i_c) * 3
+    tl.store(p + 0, tl.sum(a0, axis=0))
+    tl.store(p + 1, tl.sum(a1, axis=0))
+    tl.store(p + 2, tl.sum(a2, axis=0))
+
+
+@triton.jit
+def _select_kernel(
+    ids_ptr, lens_ptr, mu_ptr, sg_ptr, st_ptr, part_ptr, state_ptr, z_ptr,
+    pages_ptr, counts_ptr, tauhat_ptr,
+    it, R, M, am1, beta, margin, sinks, window,
+    NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
+    HQ: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, BLOCK_G: tl.constexpr, P: tl.constexpr,
+    BETA_KIND: tl.constexpr, ITERS: tl.constexpr, POOLED: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_b = i_r // S
+    h0 = (i_r % S) * NG
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < NG
+    # -- tau_hat of each head of the row (same value in every program)
+    b_tau = tl.zeros([BLOCK_G], tl.float32)
+    for g in range(NG):  # (float64 iterate, float32 tau_hat as the reference returns)
+        r = (i_b * HQ + h0 + g).to(tl.int64)
+        if POOLED:
+            sw, mn, sq, _mlo, _mhi = _reduce_stats(st_ptr, r, NCH, NCH_P2)
+            t = _pooled_tau(sw, mn, sq, am1, beta, ITERS, BETA_KIND)
+        else:
+            t, _lo, _hi = _iterate(st_ptr, part_ptr, state_ptr, r, it, R, am1, beta, NCH, NCH_P2,
+                                   BETA_KIND, ITERS)
+        t = t.to(tl.float32)
+        b_tau = tl.where(o_g == g, t, b_tau)
+        if i_c == 0:
+            tl.store(tauhat_ptr + r, t)
+    # -- threshold test on the chunk's pages, union over the heads
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    npages = (n + P - 1) // P
+    o_rows = (i_b * HQ + h0 + o_g).to(tl.int64) * M
+    for j0 in range(0, CH, BLOCK):
+        o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
+        n_tok = tl.minimum(tl.maximum(n - o_m * P, 0), P)
+        m_v = (o_m < M) & (n_tok > 0)
+        m_2 = m_g[:, None] & m_v[None, :]
+        b_mu = tl.load(mu_ptr + o_rows[:, None] + o_m[None, :], mask=m_2, other=0.0)
+        b_sg = tl.load(sg_ptr + o_rows[:, None] + o_m[None, :], mask=m_2, other=0.0)
+        b_z = tl.load(z_ptr + n_tok, mask=m_v, other=0.0)
+        hit = m_2 & (am1 * (b_mu + b_z[None, :] * b_sg) > b_tau[:, None] - margin)
+        keep = (tl.max(hit.to(tl.int32), axis=0) > 0) | (o_m < sinks) | (o_m >= npages - tl.maximum(window, 1))
+        keep = keep & m_v
+        f_keep = keep.to(tl.int32)
+        base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0))
+        i_out = base + tl.cumsum(f_keep, axis=0) - 1
+        tl.store(pages_ptr + i_r.to(tl.int64) * M + i_out, o_m, mask=keep)
+
+
+# ---------------------------------------------------------------------------
+# launcher / public function
+# ---------------------------------------------------------------------------
+
+
+def _beta_kind3(alpha: float) -> int:
+    for bk, a in ((1, 2.0), (2, 1.5), (3, 4.0 / 3.0)):
+        if abs(alpha - a) < 1e-12:
+            return bk
+    return 0
+
+
+def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None) -> Selection:
+    """Gaussian-aware selection (Triton).
+
+    Args:
+        policy: entmaxkv.policies.Gaussian (q_max, margin, pooled, sinks,
+            window, per_query_head).
+        q: [batch, q_heads, head_dim]; cache; seq_ids int [batch]; alpha > 1;
+            scale; slopes optional [q_heads].
+    Returns:
+        Selection(pages int32 [batch, S, M] unsorted, counts int32 [batch, S],
+        tau_hat float32 [batch, q_heads]).
+    alpha must be 2, 1.5 or 4/3 (closed-form truncated moments); other alpha
+    use the reference implementation (correct, not fused).
+    """
+    if alpha <= 1.0:
+        raise ValueError("policy: gaussian needs entmax (alpha > 1)")
+    bk = _beta_kind3(alpha)
+    if bk == 0:
+        from .. import policies as _ref
+
+        return _ref.select(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes)
+    q = prep_query(q)
+    B, HQ, D = q.shape
+    H, P = cache.kv_heads, cache.page_size
+    G = HQ // H
+    S = HQ if policy.per_query_head else H
+    NG = HQ // S
+    M = cache.block_table.shape[1]
+    R = B * HQ
+    cfg = gauss_plan(M, G, D, q.dtype, cache.dtype)
+    NCH, CH = cfg["NCH"], cfg["CH"]
+    nch_p2 = next_pow2(NCH)
+    smp, smh = meta_strides(cache)
+    dev = q.device
+    sl = as_slopes(slopes, HQ, dev)
+    ids = seq_ids.to(device=dev, dtype=torch.int32)
+    am1, beta = float(alpha - 1.0), float(1.0 / (alpha - 1.0))
+    mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
+    sg = torch.empty_like(mu)
+    st = torch.empty(R, NCH, 5, dtype=torch.float32, device=dev)
+    _stats_kernel[(B * H, NCH)](
+        q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
+        mu, sg, st,
+        float(scale), am1, q.stride(0), q.stride(1), smp, smh,
+        HQ, G, M,
+        H=H, NCH=NCH, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
+        NSUB=cfg["NSUB"], HAS_ALIBI=slopes is not None,
+        USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
+        num_warps=4,
+    )
+    nit = 0 if policy.pooled else NIT
+    part = torch.empty(max(nit, 1), R, NCH, 3, dtype=torch.float64, device=dev)
+    state = torch.empty(max(nit, 1), R, 3, dtype=torch.float64, device=dev)
+    block = min(1024, CH)
+    for it in range(nit):
+        _iter_kernel[(R, NCH)](
+            ids, cache.seq_lens, mu, sg, st, part, state,
+            it, R, M, am1, beta,
+            NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
+            BETA_KIND=bk, ITERS=SCALAR_ITERS, num_warps=4,
+        )
+    pages = torch.zeros(B, S, M, dtype=torch.int32, device=dev)
+    counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
+    tau_hat = torch.empty(B, HQ, dtype=torch.float32, device=dev)
+    _select_kernel[(B * S, NCH)](
+        ids, cache.seq_lens, mu, sg, st, part, state, z_table(policy.q_max, P, dev),
+        pages, counts, tau_hat,
+        nit, R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
+        NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
+        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P,
+        BETA_KIND=bk, ITERS=SCALAR_ITERS, POOLED=policy.pooled, num_warps=4,
+    )
+    return Selection(pages, counts, tau_hat)
