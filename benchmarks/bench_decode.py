@@ -293,13 +293,14 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
         del cache, ids, q, k4, v4
         torch.cuda.empty_cache()
+        if args.out:  # after every configuration, so a time limit keeps what was measured
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
         try:
             plot(rows, os.path.join(args.out, "bench_decode.png"))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             print("plot failed:", exc)
     # short table last
     print(f"\n{'config':13s} {'method':16s} {'ms':>8s} {'floor':>7s} {'ratio':>6s} {'cov':>6s} {'err':>8s}")

@@ -26,7 +26,7 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 # removes the kink of (.)_+^beta at the truncation point a.
 _QUAD_NODES = 96
 _Z_SPAN = 12.0
-_NEWTON_ITERS = 48
+_NEWTON_ITERS = 30
 
 
 def normal_cdf(t: torch.Tensor) -> torch.Tensor:
