@@ -39,7 +39,7 @@ import torch
 
 from entmaxkv.cache import PagedKVCache
 from entmaxkv.entmax import entmax_from_tau, entmax_threshold
-from entmaxkv.policies import Certified, Full, Gaussian, TopK
+from entmaxkv.policies import Certified, Gaussian, TopK
 
 COPY_BW = 4.26e12  # bytes/s, device-to-device copy bandwidth of the H200 (anchors/)
 

@@ -694,6 +694,7 @@ def attend(
         pages = pages.to(torch.int32)
     if counts.dtype != torch.int32:
         counts = counts.to(torch.int32)
+    counts = counts.contiguous()
     if pages.stride(-1) != 1:
         pages = pages.contiguous()
     return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,

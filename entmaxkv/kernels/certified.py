@@ -12,8 +12,8 @@ tau_A; every page still left out satisfies the test against tau_A <= tau_A'.
 
 Kernels:
 * ``_mark_kernel``: scatters a Selection into a uint8 page mask [B, S, M]
-  (union over query heads, or repeat over them, when the seed's selection
-  heads differ from the target's).
+  (union over query heads, or copy to them, when the seed's selection heads
+  differ from the certified policy's).
 * ``_augment_kernel``: kept = mask | forced | (any head: (alpha-1) ub > tau),
   compacted into a Selection with one atomic per block (unsorted pages).
 * ``_certify_kernel``: per query head, is any valid unselected page unsafe?
@@ -183,14 +183,11 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
 
         seed_sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
         ubs = bounds_with_slack(q, cache, ids, scale=scale, slopes=slopes)
-    mask = page_mask(seed_sel, B, S, M)
-    if seed_sel.pages.shape[1] == S:
-        a_sel = seed_sel
-    else:
-        a_sel = _compact(mask, None, None, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=0, window=0,
-                         add=False, forced=False)
-    tau_a = selection_tau(q, cache, ids, a_sel, alpha=alpha, scale=scale, slopes=slopes,
+    # tau_A per query head over the seed as selected (per KV group or per query
+    # head): any subset gives a valid lower bound on the full-cache tau.
+    tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
                           tau_init=seed_sel.tau_hat)
+    mask = page_mask(seed_sel, B, S, M)  # union over / copy to the certified selection heads
     return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
                     window=policy.window, add=True, forced=True)
 

@@ -24,8 +24,6 @@ Launches (no host synchronisation, fixed count):
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -38,8 +36,6 @@ from .scoring import load_queries, meta_strides, page_gauss, page_rows, prep_que
 NIT = 4
 # Iterations of the scalar solves (pooled Gaussian start, pooled policy).
 SCALAR_ITERS = 24
-RSQRT2 = 0.7071067811865476
-RSQRT2PI = 0.3989422804014327
 
 # ---------------------------------------------------------------------------
 # heuristics

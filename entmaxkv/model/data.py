@@ -28,8 +28,17 @@ from typing import Iterable, List, Optional, Tuple
 
 import numpy as np
 
-# Repository root -> data/ (the corpus ships with the repository).
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+def _data_dir() -> Path:
+    """data/ of the repository (the corpus ships with it, not with the wheel):
+    $ENTMAXKV_DATA, else <repo>/data next to this package, else ./data."""
+    env = os.environ.get("ENTMAXKV_DATA")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parents[2] / "data"
+    return here if here.is_dir() else Path.cwd() / "data"
+
+
+DATA_DIR = _data_dir()
 CORPUS_NAME = "stdlib311"
 
 # Directories of the standard library left out of the corpus: test suites

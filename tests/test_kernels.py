@@ -1,0 +1,244 @@
+"""Triton kernels against the pure-PyTorch reference (entmaxkv.kernels vs entmaxkv.*).
+
+Without a GPU the kernels run on Triton's CPU interpreter: TRITON_INTERPRET=1
+must be set before the kernel modules are imported (Triton picks the
+interpreter when ``@triton.jit`` runs), so this module sets it at import and,
+should another test have imported the kernels first in compiled mode, drops
+those modules and imports them again. The reference stays on the CPU either way.
+
+Shapes are small and odd on purpose (lengths 1, 5, 37, 130, ..., head dims
+16/24/40, GQA groups 1/3/4, page sizes 1..16, shuffled block tables with
+spare pages); errors are relative RMS against a float64 reference run;
+selections are compared as sets.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+
+def _load_kernels():
+    """entmaxkv.kernels, (re)imported so that it matches TRITON_INTERPRET."""
+    import entmaxkv
+
+    mod = sys.modules.get("entmaxkv.kernels._common")
+    if mod is not None and not torch.cuda.is_available() and not mod.interpreting():
+        for name in [m for m in sys.modules if m.startswith("entmaxkv.kernels")]:
+            del sys.modules[name]
+        if hasattr(entmaxkv, "kernels"):
+            delattr(entmaxkv, "kernels")
+    return importlib.import_module("entmaxkv.kernels")
+
+
+K = _load_kernels()
+
+from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402
+from entmaxkv import attention as RA  # noqa: E402
+from entmaxkv import policies as RP  # noqa: E402
+from entmaxkv import scoring as RS  # noqa: E402
+from entmaxkv.gaussian import pooled_moments, solve_tau_hat  # noqa: E402
+from entmaxkv.types import Selection  # noqa: E402
+from helpers import alibi, random_cache, rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+# relative RMS error of the kernel output against the float64 reference: the
+# math is float32, the output is rounded to the query dtype.
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+def setup(lens, H, G, D, P, dtype=torch.float32, seed=0, key_scale=1.5, slopes=False):
+    cache, slots, _, _ = random_cache(list(lens), H, D, P, dtype=dtype, seed=seed, key_scale=key_scale,
+                                      device=DEV)
+    gen = torch.Generator().manual_seed(seed + 101)
+    q = (torch.randn(len(lens), H * G, D, generator=gen) * 1.5).to(dtype).to(DEV)
+    ids = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    sl = alibi(H * G).to(DEV) if slopes else None
+    return cache, ids, q, sl
+
+
+def page_sets(sel):
+    B, S, _ = sel.pages.shape
+    p, c = sel.pages.cpu(), sel.counts.cpu()
+    return [[set(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
+
+
+# ---------------------------------------------------------------------------
+# scoring
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,G,slopes", [
+    (torch.float32, 1, False), (torch.float16, 3, True), (torch.bfloat16, 4, True), (torch.float16, 2, False),
+], ids=["f32-g1", "f16-g3-alibi", "bf16-g4-alibi", "f16-g2"])
+def test_scoring_matches_reference(dtype, G, slopes):
+    cache, ids, q, sl = setup([37, 130, 5], 2, G, 24, 8, dtype, seed=1, slopes=slopes)
+    ub = K.quest_bounds(q, cache, ids, scale=0.3, slopes=sl)
+    rub = RS.quest_bounds(q, cache, ids, scale=0.3, slopes=sl)
+    fin = torch.isfinite(rub)
+    assert torch.equal(torch.isfinite(ub), fin)
+    assert rel_err(ub[fin], rub[fin]) < 1e-6
+    mu, sg, n = K.gaussian_stats(q, cache, ids, scale=0.3, slopes=sl)
+    rmu, rsg, rn = RS.gaussian_stats(q, cache, ids, scale=0.3, slopes=sl)
+    assert rel_err(mu, rmu) < 1e-6 and rel_err(sg, rsg) < 1e-6 and torch.equal(n, rn.float())
+
+
+# ---------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 1.25])
+@pytest.mark.parametrize("dtype,G,P,D,slopes", [
+    (torch.float32, 1, 8, 16, False), (torch.float16, 3, 4, 24, True), (torch.bfloat16, 4, 16, 40, True),
+], ids=["f32-g1-p8", "f16-g3-p4-alibi", "bf16-g4-p16-d40"])
+def test_dense_attend_matches_reference(alpha, dtype, G, P, D, slopes):
+    cache, ids, q, sl = setup([37, 130, 5, 1], 2, G, D, P, dtype, seed=2, slopes=slopes)
+    out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.3, slopes=sl)
+    assert out.dtype == q.dtype and tau.dtype == torch.float32
+    assert rel_err(out, ref) < TOL[dtype]
+    assert (tau.double() - rtau).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("per_q", [False, True])
+def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q):
+    """Pages in any order; entries past counts are ignored whatever they hold."""
+    H, G, P = 2, 3, 4
+    cache, ids, q, sl = setup([90, 41, 7], H, G, 16, P, torch.float32, seed=3, slopes=True)
+    S = H * G if per_q else H
+    M = cache.block_table.shape[1]
+    gen = torch.Generator().manual_seed(5)
+    W = 9
+    pages = torch.randint(0, M, (3, S, W), generator=gen, dtype=torch.int32)  # garbage
+    counts = torch.zeros(3, S, dtype=torch.int32)
+    for b, n in enumerate([90, 41, 7]):
+        npages = -(-n // P)
+        for s in range(S):
+            k = int(torch.randint(0, min(W, npages) + 1, (1,), generator=gen))
+            pages[b, s, :k] = torch.randperm(npages, generator=gen)[:k].to(torch.int32)
+            counts[b, s] = k
+    sel = Selection(pages.to(DEV), counts.to(DEV))
+    out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
+    ref, rtau = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
+    assert rel_err(out, ref) < 2e-5
+    empty = (counts.repeat_interleave(H * G // S, dim=1) == 0).to(DEV)
+    assert torch.isinf(tau[empty]).all() and (out[empty] == 0).all()  # no kept token: zeros, tau = +inf
+    fin = ~empty
+    assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
+
+
+def test_float64_query_runs_in_float32():
+    cache, ids, q, _ = setup([50, 17], 1, 2, 16, 8, torch.float32, seed=4)
+    out, tau = K.dense_attend(q.double(), cache, ids, alpha=1.5, scale=0.25)
+    full = RP.select(Full(), q, cache, ids, alpha=1.5, scale=0.25)
+    ref, _ = RA.attend(q.double(), cache, ids, full, alpha=1.5, scale=0.25)
+    assert out.dtype == torch.float64 and rel_err(out, ref) < 1e-5
+
+
+# ---------------------------------------------------------------------------
+# selection
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [
+    TopK(24), TopK(64, sinks=1, window=2), TopK(40, per_query_head=True), TopK(16, sinks=3, window=1),
+], ids=["k24", "k64-sinks-window", "k40-per-q", "k16-sinks3"])
+@pytest.mark.parametrize("P,lens", [(4, [37, 1300, 5]), (8, [2100, 1, 333])], ids=["p4", "p8"])
+def test_topk_select_matches_reference(policy, P, lens):
+    """lens with 1300/2100 tokens span several chunks: the merge kernel runs."""
+    cache, ids, q, sl = setup(lens, 2, 3, 16, P, torch.float16, seed=6, slopes=True)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert sel.pages.shape == ref.pages.shape
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    assert page_sets(sel) == page_sets(ref)
+
+
+def _gaussian_oracle(q, cache, ids, sl, alpha, pooled):
+    """tau_hat from float64 statistics (the reference solve, float64 path)."""
+    mu, sg, n = RS.gaussian_stats(q.double(), cache, ids, scale=0.3, slopes=None if sl is None else sl.double())
+    w = n[:, None, :].expand_as(mu)
+    if pooled:
+        a, b, c = pooled_moments(mu, sg, w)
+        return solve_tau_hat(a[..., None], b[..., None], c[..., None], alpha, iters=120)
+    return solve_tau_hat(mu, sg, w, alpha, iters=120)
+
+
+@pytest.mark.parametrize("alpha,pooled,per_q,slopes", [
+    (1.5, False, False, False), (2.0, False, False, True), (4.0 / 3.0, False, True, True),
+    (1.5, True, False, True), (1.25, False, False, False),
+], ids=["a1.5", "a2-alibi", "a4/3-per-q", "a1.5-pooled", "a1.25-reference-path"])
+def test_gaussian_select(alpha, pooled, per_q, slopes):
+    lens = [300, 900, 9]
+    cache, ids, q, sl = setup(lens, 2, 2, 16, 8, torch.float32, seed=7, slopes=slopes)
+    pol = Gaussian(q_max=0.99, margin=0.05, pooled=pooled, sinks=1, per_query_head=per_q)
+    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    oracle = _gaussian_oracle(q, cache, ids, sl, alpha, pooled)
+    assert (sel.tau_hat.double() - oracle).abs().max() < 1e-4
+    # the kept pages follow the definition, evaluated at the kernel's tau_hat
+    mu, sg, n = RS.gaussian_stats(q, cache, ids, scale=0.3, slopes=sl)
+    z = RP.normal_icdf(torch.tensor(0.99, dtype=mu.dtype) ** (1.0 / n.clamp(min=1)))
+    crit = (alpha - 1) * (mu + z[:, None, :] * sg) - (sel.tau_hat[..., None] - 0.05)
+    S = sel.pages.shape[1]
+    got = page_sets(sel)
+    for b, n_b in enumerate(lens):
+        npages = -(-n_b // 8)
+        for s in range(S):
+            heads = [s] if per_q else [2 * s, 2 * s + 1]
+            c = crit[b, heads, :npages].amax(0)
+            sure_in = {int(p) for p in (c > 1e-4).nonzero().flatten()} | {0, npages - 1}
+            maybe = {int(p) for p in (c.abs() <= 1e-4).nonzero().flatten()}
+            assert sure_in <= got[b][s] <= sure_in | maybe
+
+
+@pytest.mark.parametrize("seed_policy,per_q,alpha", [
+    (TopK(32), False, 1.5), (TopK(24, per_query_head=True), False, 2.0), (TopK(32), True, 1.5),
+    (Gaussian(), False, 1.5),
+], ids=["topk", "topk-per-q-seed-union", "per-q", "gaussian-seed"])
+def test_certified_select_and_certificate(seed_policy, per_q, alpha):
+    cache, ids, q, sl = setup([300, 70, 6], 2, 2, 16, 8, torch.float32, seed=8, key_scale=2.0, slopes=True)
+    pol = Certified(seed=seed_policy, per_query_head=per_q, window=1)
+    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    if isinstance(seed_policy, TopK):
+        # (a Gaussian seed may differ by a borderline page: tau_hat is rounded differently)
+        ref = RP.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+        assert page_sets(sel) == page_sets(ref)
+    out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
+    # certified == full-cache attention
+    full, _ = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    assert rel_err(out, full) < 1e-5
+    ub = RS.quest_bounds(q, cache, ids, scale=0.3, slopes=sl)
+    slack = RS.bound_slack(q, cache, ids, scale=0.3, slopes=sl)
+    lay = RS.page_layout(cache, ids)
+    c = K.certify(ub, sel, tau, alpha, lay.seq_len, page_size=8, slack=slack)
+    assert c.all()
+    # and the certificate agrees with the reference on an uncertified selection
+    tk = K.select(TopK(16), q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    _, ttau = K.attend(q, cache, ids, tk, alpha=alpha, scale=0.3, slopes=sl)
+    for a in (alpha, 1.0):
+        got = K.certify(ub, tk, ttau, a, lay.seq_len, page_size=8, slack=slack)
+        want = RA.certify(ub, tk, ttau, a, lay.seq_len, page_size=8, slack=slack)
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_decode_dispatches_to_kernels():
+    """decode(backend="triton") runs these kernels and agrees with the reference."""
+    cache, ids, q, sl = setup([120, 33], 2, 2, 16, 8, torch.float32, seed=9, slopes=True)
+    for pol, alpha in [(Full(), 1.5), (TopK(32), 1.0), (Gaussian(), 2.0), (Certified(), 1.5)]:
+        out, st = decode(q, cache, ids, pol, alpha=alpha, alibi_slopes=sl, backend="triton", return_stats=True)
+        ref, rst = decode(q, cache, ids, pol, alpha=alpha, alibi_slopes=sl, backend="reference", return_stats=True)
+        assert rel_err(out, ref) < 1e-4, pol
+        if not isinstance(pol, Gaussian):
+            assert torch.equal(st.certified.cpu(), rst.certified.cpu()), pol
