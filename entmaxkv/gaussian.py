@@ -26,7 +26,7 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 # removes the kink of (.)_+^beta at the truncation point a.
 _QUAD_NODES = 96
 _Z_SPAN = 12.0
-_NEWTON_ITERS = 30
+_NEWTON_ITERS = 40
 
 
 def normal_cdf(t: torch.Tensor) -> torch.Tensor:
@@ -127,18 +127,47 @@ def pooled_moments(mu: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor)
     return mu_g, var.clamp(min=0).sqrt(), n
 
 
+def _log_moment(mu: torch.Tensor, sigma: torch.Tensor, beta: float) -> torch.Tensor:
+    """log E[(Y)_+^beta], Y ~ N(mu, sigma^2), stable deep in the lower tail.
+
+    For t = mu / sigma < 0 the closed forms cancel catastrophically; there
+    E[Y_+^beta] = phi(t) sigma^beta P_beta(t) with the Mills ratio
+    R(t) = Phi(t) / phi(t) = sqrt(pi/2) erfcx(-t / sqrt 2), and log phi(t) is
+    kept in log space so nothing underflows. sigma = 0 gives beta log(mu_+).
+    """
+    tiny = torch.finfo(mu.dtype).tiny
+    pos = sigma > 0
+    s = torch.where(pos, sigma, torch.ones_like(sigma))
+    t = mu / s
+    if float(beta).is_integer() and 0 <= beta <= 3:
+        b = int(beta)
+        direct = _closed_form(mu, s, t.clamp(min=0), b).clamp(min=tiny).log()
+        tn = t.clamp(max=0)
+        R = math.sqrt(math.pi / 2) * torch.special.erfcx(-tn / _SQRT2)
+        poly = (R, tn * R + 1, (tn * tn + 1) * R + tn, (tn**3 + 3 * tn) * R + tn * tn + 2)[b]
+        tail = -0.5 * tn * tn - 0.5 * math.log(2 * math.pi) + b * s.log() + poly.clamp(min=tiny).log()
+        val = torch.where(t >= 0, direct, tail)
+    else:
+        val = _quadrature(mu, s, beta).clamp(min=tiny).log()
+    deg = torch.where(mu > 0, beta * mu.clamp(min=tiny).log(), torch.full_like(mu, -math.inf))
+    return torch.where(pos, val, deg)
+
+
 def solve_tau_hat(
     mu: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor, alpha: float,
     iters: int = _NEWTON_ITERS,
 ) -> torch.Tensor:
     """Solve sum_p w_p E[[(alpha-1) S_p - tau]_+^beta] = 1 for tau (last dim).
 
-    Safeguarded Newton on a bracket [lo, hi] with f(lo) >= 0 >= f(hi), built
-    without host branching: at lo = max_p (alpha-1)(mu_p - 12 sigma_p) - 1 the
-    best page alone has Y >= 1 almost surely (so f >= 0 for w >= 1); at
+    Newton on g(tau) = log sum_p w_p E[...] (zero at the solution; the log
+    keeps the steps well scaled when tau sits deep in the Gaussian tails, as
+    it does for long rows), safeguarded by a bracket [lo, hi] with
+    g(lo) >= 0 >= g(hi) built without host branching: at
+    lo = max_p (alpha-1)(mu_p - 12 sigma_p) - 1 the best page alone has
+    Y >= 1 almost surely (so the sum is >= 1 for w >= 1); at
     hi = max_p (alpha-1)(mu_p + 12 sigma_p) every Y is negative almost
-    surely (f = -1). A Newton step that leaves the bracket is replaced by
-    bisection. alpha == 1 returns the softmax analogue
+    surely. A step that leaves the bracket is replaced by bisection. Solved
+    in float64. alpha == 1 returns the softmax analogue
     logsumexp(log w + mu + sigma^2 / 2).
 
     Args:
@@ -149,37 +178,32 @@ def solve_tau_hat(
     """
     if not alpha >= 1.0:
         raise ValueError(f"alpha: expected >= 1, got {alpha!r}")
-    dt = torch.float64 if mu.dtype == torch.float64 else torch.float32
-    mu, sigma, w = (t.to(dt) for t in torch.broadcast_tensors(mu, sigma, weights))
+    out_dt = torch.float64 if mu.dtype == torch.float64 else torch.float32
+    mu, sigma, w = (t.to(torch.float64) for t in torch.broadcast_tensors(mu, sigma, weights))
     present = w > 0
     empty = ~present.any(-1)
+    neg = torch.full_like(mu, -math.inf)
+    logw = torch.where(present, w.clamp(min=1e-300).log(), neg)
     if alpha == 1.0:
-        logits = torch.where(present, w.clamp(min=1e-30).log() + mu + 0.5 * sigma * sigma,
-                             torch.full_like(mu, float("-inf")))
-        tau = torch.logsumexp(logits, dim=-1)
-        return torch.where(empty, torch.full_like(tau, float("inf")), tau)
+        tau = torch.logsumexp(logw + mu + 0.5 * sigma * sigma, dim=-1)
+        return torch.where(empty, torch.full_like(tau, math.inf), tau).to(out_dt)
     am1 = alpha - 1.0
     beta = 1.0 / am1
-    neg = torch.full_like(mu, float("-inf"))
     lo = torch.where(present, am1 * (mu - _Z_SPAN * sigma), neg).amax(-1) - 1.0
     hi = torch.where(present, am1 * (mu + _Z_SPAN * sigma), neg).amax(-1)
     lo = torch.where(empty, torch.zeros_like(lo), lo)
-    hi = torch.where(empty, torch.ones_like(hi), torch.maximum(hi, lo + 1e-6))
+    hi = torch.where(empty, torch.ones_like(hi), torch.maximum(hi, lo + 1e-9))
     m_y, s_y = am1 * mu, am1 * sigma
-
-    def f_and_df(tau):
-        m = m_y - tau[..., None]
-        val = (w * truncated_power_moment(m, s_y, beta)).sum(-1) - 1.0
-        der = -beta * (w * truncated_power_moment(m, s_y, beta - 1.0)).sum(-1)
-        return val, der
 
     tau = 0.5 * (lo + hi)
     for _ in range(iters):
-        val, der = f_and_df(tau)
-        # shrink the bracket with the sign of f (f decreases in tau)
-        lo = torch.where(val >= 0, tau, lo)
-        hi = torch.where(val < 0, tau, hi)
-        step = tau - val / torch.where(der < 0, der, torch.full_like(der, -1.0))
-        inside = (der < 0) & (step > lo) & (step < hi)
+        m = m_y - tau[..., None]
+        g = torch.logsumexp(logw + _log_moment(m, s_y, beta), dim=-1)
+        g1 = torch.logsumexp(logw + _log_moment(m, s_y, beta - 1.0), dim=-1)
+        lo = torch.where(g >= 0, tau, lo)
+        hi = torch.where(g < 0, tau, hi)
+        dg = -beta * torch.exp(g1 - g)  # d log F / d tau
+        step = tau - g / dg
+        inside = (step > lo) & (step < hi)  # False for NaN steps (F underflow)
         tau = torch.where(inside, step, 0.5 * (lo + hi))
-    return torch.where(empty, torch.full_like(tau, float("inf")), tau)
+    return torch.where(empty, torch.full_like(tau, math.inf), tau).to(out_dt)
