@@ -102,33 +102,44 @@ def _scaled_scores(x: torch.Tensor, alpha: float, dim: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------
-# numerical core: thresholds of z = (alpha-1) x along the last dim
+# numerical core. Every solver works on d = z - max(z) along the last dim
+# (z = (alpha-1) x), so that max(d) = 0 and the threshold t = tau - max(z)
+# lies in [-1, -n^(1-alpha)]. Why: support entries then have d in [-1, 0],
+# where d and t are far finer-grained than z and tau themselves; [d - t]_+ is
+# accurate even when the support sits in a 1e-10-wide cluster (alpha > 2).
 # --------------------------------------------------------------------------
 
 
-def _row_stats(z: torch.Tensor, alpha: float):
-    """Per-row valid count n, max m and the SPEC bracket [m - 1, m - n^(1-alpha)].
+def _shift(z: torch.Tensor):
+    """d = z - m with m the row max over unmasked entries (0 for all-masked rows).
 
-    All-masked rows get m = 0 and n = 1 internally (a harmless dummy problem);
-    the caller overwrites their threshold with +inf.
+    Returns d [..., n], m [...], the valid count n [...] (int64) and the
+    all-masked mask [...]. All-masked rows keep d = -inf everywhere; the
+    solvers treat them as a dummy problem and their threshold is set to +inf.
     """
-    valid = z > float("-inf")
-    n = valid.sum(-1)
+    n = (z > float("-inf")).sum(-1)
     empty = n == 0
     m = torch.where(empty, torch.zeros((), dtype=z.dtype, device=z.device), z.amax(-1))
-    nf = n.clamp_min(1).to(z.dtype)
-    lo = m - 1.0  # the largest entry alone has mass 1 here: f(lo) >= 0
-    hi = m - nf.pow(1.0 - alpha)  # every entry has mass <= 1/n here: f(hi) <= 0
-    return n, empty, m, lo, hi
+    return z - m.unsqueeze(-1), m, n, empty
 
 
-def _power_sums(z: torch.Tensor, tau: torch.Tensor, beta: float, order: int):
-    """S0 = sum u^beta, S1 = sum u^(beta-1) and (order 2) S2 = sum u^(beta-2), u = [z - tau]_+.
+def _bracket(n: torch.Tensor, alpha: float, dtype: torch.dtype):
+    """SPEC bracket of the shifted threshold: [-1, -n^(1-alpha)].
+
+    lo = -1: the largest entry alone has mass 1 there, so f(lo) >= 0.
+    hi = -n^(1-alpha): every entry has mass <= 1/n there, so f(hi) <= 0.
+    """
+    nf = n.clamp_min(1).to(dtype)
+    return -torch.ones_like(nf), -nf.pow(1.0 - alpha)
+
+
+def _power_sums(d: torch.Tensor, t: torch.Tensor, beta: float, order: int):
+    """S0 = sum u^beta, S1 = sum u^(beta-1) and (order 2) S2 = sum u^(beta-2), u = [d - t]_+.
 
     Sums run over the support (u > 0) only. In these terms the mass is
-    f(tau) + 1 = S0, f' = -beta S1 and f'' = beta (beta - 1) S2.
+    f(t) + 1 = S0, f' = -beta S1 and f'' = beta (beta - 1) S2.
     """
-    u = (z - tau.unsqueeze(-1)).clamp_min(0.0)
+    u = (d - t.unsqueeze(-1)).clamp_min(0.0)
     on = u > 0
     # Work on a safe copy of u so that powers of 0 (or of masked entries) never
     # produce inf/NaN that a `where` would then have to hide.
@@ -147,21 +158,21 @@ def _power_sums(z: torch.Tensor, tau: torch.Tensor, beta: float, order: int):
 
 
 def _h_and_derivs(s0, s1, s2, alpha: float):
-    """h = S0^(alpha-1) - 1 and its tau-derivatives h', h'' (h'' only if s2 is given).
+    """h = S0^(alpha-1) - 1 and its t-derivatives h', h'' (h'' only if s2 is given).
 
     h has the same root and sign as f = S0 - 1, but S0^(alpha-1) is the
-    beta-"norm" of u = [z - tau]_+ (beta = 1 / (alpha - 1)): it is exactly
-    linear in tau while the support is fixed and its entries are equal, and
+    beta-"norm" of u = [d - t]_+ (beta = 1 / (alpha - 1)): it is exactly
+    linear in t while the support is fixed and its entries are equal, and
     convex for alpha <= 2. Newton/Halley on h therefore converge in a handful
     of steps where on f (a beta-th power, beta up to ~100 near softmax) they
     crawl.
     """
     beta, g = 1.0 / (alpha - 1.0), alpha - 1.0
-    d0 = -beta * s1  # dS0/dtau
+    d0 = -beta * s1  # dS0/dt
     sg = s0.pow(g)
     h = sg - 1.0
     # g S0^(g-1) written as g S0^g / S0 so a single pow is needed; S0 = 0 only
-    # outside the bracket (NaN there is rejected by the safeguard).
+    # outside the bracket (the NaN it gives there is rejected by the safeguard).
     gs = g * sg / s0
     h1 = gs * d0
     if s2 is None:
@@ -171,171 +182,159 @@ def _h_and_derivs(s0, s1, s2, alpha: float):
     return h, h1, h2
 
 
-def _newton_polish(z, tau, alpha, lo, hi, steps):
-    """Newton steps on h restricted to the support detected at the current tau.
+def _newton_polish(d, t, alpha, lo, hi, steps):
+    """Newton steps on h restricted to the support detected at the current t.
 
     Starting next to the root, this is an exact re-solve on that support to the
     working precision; the bracket clamp keeps a bad step harmless.
     """
     beta = 1.0 / (alpha - 1.0)
     for _ in range(steps):
-        s0, s1, _ = _power_sums(z, tau, beta, order=1)
+        s0, s1, _ = _power_sums(d, t, beta, order=1)
         h, h1, _ = _h_and_derivs(s0, s1, None, alpha)
         step = -h / h1
         step = torch.where(torch.isfinite(step), step, torch.zeros_like(step))
-        tau = torch.minimum(torch.maximum(tau + step, lo), hi)
-    return tau
+        t = torch.minimum(torch.maximum(t + step, lo), hi)
+    return t
 
 
-def _threshold_sparsemax_sort(z: torch.Tensor) -> torch.Tensor:
-    """Exact sparsemax threshold (z already equals x since alpha - 1 = 1).
+def _sorted_prefix_threshold(d: torch.Tensor, candidate) -> torch.Tensor:
+    """Shared skeleton of the sort-based solvers.
 
-    With z sorted descending, the support size k* is the largest k with
-    1 + k z_(k) > sum_{i<=k} z_(i), and tau = (sum_{i<=k*} z_(i) - 1) / k*.
+    With the shifted scores sorted descending (ds, masked last), ``candidate``
+    maps (ds, k) to t_k, the threshold if the support were the top k entries.
+    The support size k* is the largest k with ds_(k) > t_k (the valid k form
+    a prefix, up to ties at the threshold, which carry zero mass), and the
+    threshold is t_{k*}.
     """
-    _, empty, m, _, _ = _row_stats(z, 2.0)
-    zs = torch.sort(z, dim=-1, descending=True).values
-    valid = zs > float("-inf")
-    # Shift by the max so that the cumulative sums only see values in [-1, 0]
-    # on the support (no cancellation against a large common offset).
-    d = torch.where(valid, zs - m.unsqueeze(-1), torch.zeros_like(zs))
-    k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
-    tau_k = (d.cumsum(-1) - 1.0) / k
-    cond = valid & (d > tau_k)
-    kstar = (cond.to(torch.int64) * torch.arange(1, z.shape[-1] + 1, device=z.device)).amax(-1)
-    idx = (kstar - 1).clamp_min(0).unsqueeze(-1)
-    tau = tau_k.gather(-1, idx).squeeze(-1) + m
-    return torch.where(empty, torch.full_like(tau, float("inf")), tau)
+    ds = torch.sort(d, dim=-1, descending=True).values
+    valid = ds > float("-inf")
+    ds = torch.where(valid, ds, torch.zeros_like(ds))  # keep cumsums finite
+    idx = torch.arange(1, d.shape[-1] + 1, device=d.device)
+    t_k, ok = candidate(ds, idx.to(d.dtype))
+    cond = valid & ok & (ds > t_k)
+    kstar = (cond.to(torch.int64) * idx).amax(-1)
+    return t_k.gather(-1, (kstar - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)
 
 
-def _threshold_entmax15_sort(z: torch.Tensor) -> torch.Tensor:
-    """Exact 1.5-entmax threshold for z = x / 2, p_i = [z_i - tau]_+^2.
+def _sparsemax_candidates(ds, k):
+    """Sparsemax: sum_{i<=k} (ds_i - t) = 1  =>  t_k = (cumsum_k - 1) / k."""
+    return (ds.cumsum(-1) - 1.0) / k, torch.ones_like(ds, dtype=torch.bool)
 
-    For the top-k entries (sorted descending), sum_{i<=k} (z_(i) - tau)^2 = 1
-    has the root tau_k = mean_k - sqrt((1 - ss_k) / k), ss_k the sum of squared
-    deviations from the mean; k* is the largest k with tau_k < z_(k).
+
+def _entmax15_candidates(ds, k):
+    """1.5-entmax: sum_{i<=k} (ds_i - t)^2 = 1  =>  t_k = mean_k - sqrt((1 - ss_k) / k).
+
+    ss_k is the sum of squared deviations from the top-k mean (ss_k > 1: no
+    real root, so k is not a support size). Support entries have ds in
+    [-1, 0], which keeps the cancellation in ss_k = sum ds^2 - k mean^2 mild.
     """
-    _, empty, m, _, _ = _row_stats(z, 1.5)
-    zs = torch.sort(z, dim=-1, descending=True).values
-    valid = zs > float("-inf")
-    d = torch.where(valid, zs - m.unsqueeze(-1), torch.zeros_like(zs))
-    k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
-    mean = d.cumsum(-1) / k
-    ss = ((d * d).cumsum(-1) - mean * mean * k).clamp_min(0.0)
+    mean = ds.cumsum(-1) / k
+    ss = ((ds * ds).cumsum(-1) - mean * mean * k).clamp_min(0.0)
     delta = (1.0 - ss) / k
-    tau_k = mean - delta.clamp_min(0.0).sqrt()
-    cond = valid & (delta >= 0) & (d > tau_k)
-    kstar = (cond.to(torch.int64) * torch.arange(1, z.shape[-1] + 1, device=z.device)).amax(-1)
-    idx = (kstar - 1).clamp_min(0).unsqueeze(-1)
-    tau = tau_k.gather(-1, idx).squeeze(-1) + m
-    return torch.where(empty, torch.full_like(tau, float("inf")), tau)
+    return mean - delta.clamp_min(0.0).sqrt(), delta >= 0
 
 
 def _threshold_halley(
-    z: torch.Tensor,
+    d: torch.Tensor,
+    n: torch.Tensor,
     alpha: float,
-    tau_init: Optional[torch.Tensor] = None,
+    t_init: Optional[torch.Tensor] = None,
     n_iter: Optional[int] = None,
 ) -> torch.Tensor:
     """Safeguarded Halley iteration for any alpha > 1 (fixed iteration count).
 
-    Solves h(tau) = (sum [z - tau]_+^beta)^(alpha-1) - 1 = 0, which has the
-    root and sign of f(tau) = sum [z - tau]_+^beta - 1 but is far closer to
-    linear (see _h_and_derivs). Safeguards, all branch-free:
+    Solves h(t) = (sum [d - t]_+^beta)^(alpha-1) - 1 = 0, which has the root
+    and sign of f(t) = sum [d - t]_+^beta - 1 but is far closer to linear
+    (see _h_and_derivs). Safeguards, all branch-free:
 
-    * the bracket [lo, hi] starts at the SPEC bounds [m - 1, m - n^(1-alpha)]
-      and is tightened with the sign of f at every iterate;
+    * the bracket [lo, hi] starts at the SPEC bounds and is tightened with the
+      sign of f at every iterate;
     * the Halley step is the Newton step divided by (1 - L/2), L = h h''/h'^2;
       clamping L to [-1, 1] bounds it to 2/3..2 Newton steps where h'' blows
       up next to a kink, and keeps the cubic endgame (L -> 0 at the root);
     * a step is replaced by bisection when it leaves the bracket, is not
       finite, or is not at most half the step made two iterations earlier
-      (Numerical Recipes' rtsafe rule: it breaks Newton 2-cycles and stalls
-      where entries join the support with a vertical tangent, alpha > 2);
-      steps below a few ulps are always accepted, so a converged iterate
-      stays put.
+      (Numerical Recipes' rtsafe rule: it breaks Newton 2-cycles and the
+      stalls where entries join the support with a vertical tangent,
+      alpha > 2); steps of a few ulps are always accepted, so a converged
+      iterate stays put.
     """
     beta = 1.0 / (alpha - 1.0)
     if n_iter is None:
         n_iter = _default_iters(alpha)
-    _, empty, _, lo, hi = _row_stats(z, alpha)
-    if tau_init is None:
-        tau = lo.clone()
+    lo, hi = _bracket(n, alpha, d.dtype)
+    if t_init is None:
+        t = lo.clone()
     else:
-        t0 = tau_init.to(device=z.device, dtype=z.dtype).expand_as(lo)
-        t0 = torch.where(torch.isnan(t0), lo, t0)
-        tau = torch.minimum(torch.maximum(t0, lo), hi)  # a bad warm start is clamped
-    tiny = 8.0 * torch.finfo(z.dtype).eps
+        t0 = torch.where(torch.isnan(t_init), lo, t_init)
+        t = torch.minimum(torch.maximum(t0, lo), hi)  # a bad warm start is clamped
+    tiny = 8.0 * torch.finfo(d.dtype).eps
     step1 = hi - lo  # |step| one and two iterations back (rtsafe bookkeeping)
     step2 = hi - lo
     for _ in range(n_iter):
-        s0, s1, s2 = _power_sums(z, tau, beta, order=2)
-        above = s0 > 1.0  # f(tau) > 0: the root lies to the right of tau
-        lo = torch.where(above, tau, lo)
-        hi = torch.where(above, hi, tau)
+        s0, s1, s2 = _power_sums(d, t, beta, order=2)
+        above = s0 > 1.0  # f(t) > 0: the root lies to the right of t
+        lo = torch.where(above, t, lo)
+        hi = torch.where(above, hi, t)
         h, h1, h2 = _h_and_derivs(s0, s1, s2, alpha)
         L = torch.nan_to_num(h * h2 / (h1 * h1), nan=0.0, posinf=1.0, neginf=-1.0)
-        cand = tau - (h / h1) / (1.0 - 0.5 * L.clamp(-1.0, 1.0))
-        size = (cand - tau).abs()
+        cand = t - (h / h1) / (1.0 - 0.5 * L.clamp(-1.0, 1.0))
+        size = (cand - t).abs()
         ok = (cand >= lo) & (cand <= hi)  # False for NaN too
-        ok &= (size <= 0.5 * step2) | (size <= tiny * (1.0 + tau.abs()))
+        ok &= (size <= 0.5 * step2) | (size <= tiny)
         new = torch.where(ok, cand, 0.5 * (lo + hi))
-        step2, step1 = step1, (new - tau).abs()
-        tau = new
-    tau = _newton_polish(z, tau, alpha, lo, hi, POLISH_ITERS)
-    return torch.where(empty, torch.full_like(tau, float("inf")), tau)
+        step2, step1 = step1, (new - t).abs()
+        t = new
+    return _newton_polish(d, t, alpha, lo, hi, POLISH_ITERS)
 
 
-def _threshold_last(
+def _solve_shifted(
     z: torch.Tensor,
     alpha: float,
     tau_init: Optional[torch.Tensor] = None,
     method: str = "auto",
     n_iter: Optional[int] = None,
-) -> torch.Tensor:
-    """Threshold of z = (alpha-1) x along the last dim (alpha = 1: z = x, tau = logsumexp).
+):
+    """Threshold of z = (alpha-1) x along the last dim, in shifted form.
+
+    Returns (d, m, t, n) with d = z - m, tau = m + t, n the valid counts; t is
+    +inf on all-masked rows. alpha == 1: t = logsumexp(d).
 
     ``method``: "auto" (sort for alpha in {1.5, 2}, Halley otherwise), "sort"
-    (only alpha in {1.5, 2}) or "halley" (any alpha > 1); used by tests to
-    check the two algorithms against each other.
+    (alpha in {1.5, 2} only) or "halley" (any alpha > 1); tests use it to
+    check the two algorithms against each other. ``tau_init`` is used by the
+    Halley path only.
     """
-    if z.shape[-1] == 0:
-        return torch.full(z.shape[:-1], float("inf"), dtype=z.dtype, device=z.device)
-    if alpha == 1.0:
-        tau = torch.logsumexp(z, dim=-1)
-        # logsumexp of an all -inf row is -inf; the module convention is +inf.
-        return torch.where(tau == float("-inf"), torch.full_like(tau, float("inf")), tau)
     if method not in ("auto", "sort", "halley"):
         raise ValueError(f"unknown method {method!r}")
-    use_sort = method == "sort" or (method == "auto" and alpha in (1.5, 2.0))
-    if use_sort:
+    d, m, n, empty = _shift(z)
+    if alpha == 1.0:
+        t = torch.logsumexp(d, dim=-1)
+    elif method == "sort" or (method == "auto" and alpha in (1.5, 2.0)):
         if alpha == 2.0:
-            tau = _threshold_sparsemax_sort(z)
+            t = _sorted_prefix_threshold(d, _sparsemax_candidates)
         elif alpha == 1.5:
-            tau = _threshold_entmax15_sort(z)
+            t = _sorted_prefix_threshold(d, _entmax15_candidates)
         else:
             raise ValueError(f"the sort-based solver needs alpha in (1.5, 2), got alpha={alpha}")
-        _, empty, _, lo, hi = _row_stats(z, alpha)
         # float32 cumulative sums over long supports lose a few digits: re-solve
-        # on the detected support (the sort already found it).
-        tau = _newton_polish(z, tau, alpha, lo, hi, POLISH_ITERS)
-        return torch.where(empty, torch.full_like(tau, float("inf")), tau)
-    return _threshold_halley(z, alpha, tau_init, n_iter)
+        # on the support the sort found.
+        lo, hi = _bracket(n, alpha, d.dtype)
+        t = _newton_polish(d, t, alpha, lo, hi, POLISH_ITERS)
+    else:
+        t_init = None if tau_init is None else tau_init.to(d.dtype) - m
+        t = _threshold_halley(d, n, alpha, t_init, n_iter)
+    t = torch.where(empty, torch.full_like(t, float("inf")), t)
+    return d, m, t, n
 
 
-def _support_last(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> torch.Tensor:
-    """int64 count of entries with p > 0, i.e. z > tau (softmax: unmasked entries)."""
+def _probs_last(d: torch.Tensor, t: torch.Tensor, alpha: float) -> torch.Tensor:
+    """p from (shifted) scores d = (alpha-1) x - c and threshold t = tau - c, last dim."""
     if alpha == 1.0:
-        return (z > float("-inf")).sum(-1)
-    return (z > tau.unsqueeze(-1)).sum(-1)
-
-
-def _probs_last(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> torch.Tensor:
-    """p from z = (alpha-1) x and tau along the last dim, in z's dtype."""
-    if alpha == 1.0:
-        # tau = +inf on all-masked rows: exp(-inf) = 0, never NaN.
-        return torch.exp(z - tau.unsqueeze(-1))
-    u = (z - tau.unsqueeze(-1)).clamp_min(0.0)
+        # t = +inf on all-masked rows: exp(-inf) = 0, never NaN.
+        return torch.exp(d - t.unsqueeze(-1))
+    u = (d - t.unsqueeze(-1)).clamp_min(0.0)
     if alpha == 2.0:
         return u
     if alpha == 1.5:
@@ -348,14 +347,22 @@ def _probs_last(z: torch.Tensor, tau: torch.Tensor, alpha: float) -> torch.Tenso
 
 
 def _threshold_impl(x, alpha, dim=-1, tau_init=None, method="auto", n_iter=None):
+    """entmax_threshold with the solver choice exposed (for tests)."""
     alpha = _check_alpha(alpha)
     with torch.no_grad():
         z = _scaled_scores(x, alpha, dim)
-        if tau_init is not None:
-            tau_init = tau_init.to(z.dtype)
-        tau = _threshold_last(z, alpha, tau_init, method, n_iter)
-        support = _support_last(z, tau, alpha)
-    return tau, support
+        if z.shape[-1] == 0:
+            shape = z.shape[:-1]
+            return (
+                torch.full(shape, float("inf"), dtype=z.dtype, device=z.device),
+                torch.zeros(shape, dtype=torch.int64, device=z.device),
+            )
+        d, m, t, n = _solve_shifted(z, alpha, tau_init, method, n_iter)
+        if alpha == 1.0:
+            support = n  # every unmasked entry has exp(x - tau) > 0 in exact arithmetic
+        else:
+            support = (d > t.unsqueeze(-1)).sum(-1)
+    return m + t, support
 
 
 # --------------------------------------------------------------------------
@@ -438,8 +445,10 @@ class _EntmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, alpha: float, dim: int) -> torch.Tensor:
         z = _scaled_scores(x, alpha, dim)
-        tau = _threshold_last(z, alpha)
-        p = _probs_last(z, tau, alpha)
+        if z.shape[-1] == 0:
+            return x.clone()
+        d, _, t, _ = _solve_shifted(z, alpha)
+        p = _probs_last(d, t, alpha)
         return p.movedim(-1, dim).to(x.dtype)
 
     @staticmethod
