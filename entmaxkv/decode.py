@@ -36,7 +36,7 @@ def resolve_backend(backend: str, device: torch.device):
     """Return the stage module (reference namespace or kernels) to run on."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return _Reference
     kern = _kernels()
     if backend == "triton":
@@ -46,7 +46,7 @@ def resolve_backend(backend: str, device: torch.device):
                 "(install triton; on CPU set TRITON_INTERPRET=1)"
             )
         return kern
-    return kern if (device.type == "cuda" and kern is not None) else _Reference
+    return kern if kern is not None else _Reference
 
 
 class _Reference:
@@ -209,9 +209,9 @@ def run_step(ops, policy, q, cache, ids, alpha, scale, slopes, *, need_bounds=Fa
 
     Returns (selection, out, tau, quest bounds or None).
     """
-    ub = None
-    if need_bounds or isinstance(policy, (policies.TopK, policies.Certified)):
-        ub = ops.quest_bounds(q, cache, ids, scale=scale, slopes=slopes)
+    # Bounds only for the certificate; selection computes what it needs itself
+    # (the kernels fuse the bound into top-k), and the reference reuses these.
+    ub = ops.quest_bounds(q, cache, ids, scale=scale, slopes=slopes) if need_bounds else None
     if isinstance(policy, Full) and hasattr(ops, "dense_attend"):
         o, tau = ops.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
         sel = ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes) if need_bounds else None

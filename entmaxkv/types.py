@@ -18,8 +18,9 @@ class Selection:
     Attributes:
         pages:   int32 [batch, sel_heads, width]: *logical* page indices (the
                  position of a page in its sequence's block table, 0-based).
-                 Entries ``>= counts`` are padding and must be ignored; the
-                 valid entries are distinct and sorted ascending.
+                 Entries at positions ``>= counts`` are padding and must be
+                 ignored; the valid entries are distinct, in no particular
+                 order (the reference sorts them, the kernels need not).
         counts:  int32 [batch, sel_heads]: number of valid entries per row.
         tau_hat: float32 [batch, q_heads] or None: the policy's estimate of the
                  entmax threshold (a warm start for the exact solve).
