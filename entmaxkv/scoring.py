@@ -76,6 +76,13 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.view(B, kv_heads, HQ // kv_heads, D)
 
 
+def _prepare(q, cache, seq_ids, layout):
+    """Shared set-up of the scoring functions: (layout, compute dtype, q as [B, H, G, D])."""
+    lay = layout if layout is not None else page_layout(cache, seq_ids)
+    dt = compute_dtype(q)
+    return lay, dt, _grouped(q.to(dt), cache.kv_heads)
+
+
 def quest_bounds(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -99,10 +106,8 @@ def quest_bounds(
     Returns:
         float32 (float64 for float64 q) [B, HQ, M]; -inf for pages past the end.
     """
-    lay = layout if layout is not None else page_layout(cache, seq_ids)
-    dt = compute_dtype(q)
+    lay, dt, qg = _prepare(q, cache, seq_ids, layout)  # qg: [B, H, G, D]
     B, HQ, D = q.shape
-    qg = _grouped(q.to(dt), cache.kv_heads)  # [B, H, G, D]
     kmax = cache.k_max[lay.phys].to(dt)  # [B, M, H, D]
     kmin = cache.k_min[lay.phys].to(dt)
     ub = torch.einsum("bhgd,bmhd->bhgm", qg.clamp(min=0), kmax) + torch.einsum(
@@ -132,10 +137,9 @@ def bound_slack(
     D * eps * (scale * sum_i |q_i| |k_i| + |bias|); certification compares
     them, so it adds this slack to the bound to stay safe. float [B, HQ, M].
     """
-    lay = layout if layout is not None else page_layout(cache, seq_ids)
-    dt = compute_dtype(q)
+    lay, dt, qg = _prepare(q, cache, seq_ids, layout)
     B, HQ, D = q.shape
-    qg = _grouped(q.to(dt), cache.kv_heads).abs()
+    qg = qg.abs()
     kabs = torch.maximum(cache.k_max[lay.phys].abs(), cache.k_min[lay.phys].abs()).to(dt)
     mag = torch.einsum("bhgd,bmhd->bhgm", qg, kabs).reshape(B, HQ, -1) * scale
     sl = _slopes(slopes, HQ, mag).abs()[None, :, None]
@@ -165,10 +169,8 @@ def gaussian_stats(
         mu, sigma: float32 (float64 for float64 q) [B, HQ, M] (0 past the end);
         n_tok: same dtype [B, M], valid tokens per page.
     """
-    lay = layout if layout is not None else page_layout(cache, seq_ids)
-    dt = compute_dtype(q)
+    lay, dt, qg = _prepare(q, cache, seq_ids, layout)
     B, HQ, D = q.shape
-    qg = _grouped(q.to(dt), cache.kv_heads)
     kmean = cache.k_mean[lay.phys].to(dt)  # [B, M, H, D]
     kstd = cache.k_std[lay.phys].to(dt)
     mu = torch.einsum("bhgd,bmhd->bhgm", qg, kmean).reshape(B, HQ, -1) * scale
