@@ -141,21 +141,20 @@ def _power_sums(d: torch.Tensor, t: torch.Tensor, beta: float, order: int):
     Sums run over the support (u > 0) only. In these terms the mass is
     f(t) + 1 = S0, f' = -beta S1 and f'' = beta (beta - 1) S2.
     """
-    u = (d - t.unsqueeze(-1)).clamp_min(0.0)
-    on = u > 0
-    # Work on a safe copy of u so that powers of 0 (or of masked entries) never
-    # produce inf/NaN that a `where` would then have to hide.
-    us = torch.where(on, u, torch.ones_like(u))
-    zero = torch.zeros_like(u)
-    p0 = torch.where(on, us.pow(beta), zero)
-    p1 = torch.where(on, p0 / us, zero)  # u^(beta-1), one division instead of a pow
+    u = (d - t.unsqueeze(-1)).clamp_min(0.0)  # masked entries (d = -inf) give 0
+    # Divide by a copy of u with its zeros replaced by 1: u^(beta-1) = u^beta / u
+    # is then exactly 0 off the support (0 / 1) instead of inf or NaN, with one
+    # pow per step instead of three.
+    us = torch.where(u > 0, u, 1.0)
+    p0 = u.pow(beta)  # 0^beta = 0 for beta > 0
+    p1 = p0 / us
     s0, s1 = p0.sum(-1), p1.sum(-1)
     if order < 2:
         return s0, s1, None
     if beta == 1.0:
         s2 = torch.zeros_like(s0)  # its coefficient beta (beta-1) is 0 anyway
     else:
-        s2 = torch.where(on, p1 / us, zero).sum(-1)
+        s2 = (p1 / us).sum(-1)
     return s0, s1, s2
 
 
@@ -237,6 +236,32 @@ def _entmax15_candidates(ds, k):
     return mean - delta.clamp_min(0.0).sqrt(), delta >= 0
 
 
+def _safeguarded_step(t, lo, hi, h, h1, h2, step2, tiny):
+    """One safeguarded Halley (h2 given) or Newton (h2 None) step for a root of h.
+
+    [lo, hi] must bracket the root, with t one of its ends (the caller has
+    just updated the bracket with the sign of h(t)). The Halley step is the
+    Newton step divided by (1 - L/2), L = h h'' / h'^2; clamping L to [-1, 1]
+    bounds it to 2/3..2 Newton steps where h'' blows up next to a kink, and
+    keeps the cubic endgame (L -> 0 at the root). The step is replaced by
+    bisection when it leaves the bracket, is not finite, or is not at most
+    half the step made two iterations earlier (``step2``; Numerical Recipes'
+    rtsafe rule: it breaks Newton 2-cycles and stalls). Steps up to ``tiny``
+    are always accepted, so a converged iterate stays put. Shared with
+    entmaxkv.gaussian.solve_tau_hat.
+    """
+    newton = h / h1
+    if h2 is None:
+        cand = t - newton
+    else:
+        L = torch.nan_to_num(h * h2 / (h1 * h1), nan=0.0, posinf=1.0, neginf=-1.0)
+        cand = t - newton / (1.0 - 0.5 * L.clamp(-1.0, 1.0))
+    size = (cand - t).abs()
+    ok = (cand >= lo) & (cand <= hi)  # False for NaN too
+    ok &= (size <= 0.5 * step2) | (size <= tiny)
+    return torch.where(ok, cand, 0.5 * (lo + hi))
+
+
 def _threshold_halley(
     d: torch.Tensor,
     n: torch.Tensor,
@@ -248,19 +273,11 @@ def _threshold_halley(
 
     Solves h(t) = (sum [d - t]_+^beta)^(alpha-1) - 1 = 0, which has the root
     and sign of f(t) = sum [d - t]_+^beta - 1 but is far closer to linear
-    (see _h_and_derivs). Safeguards, all branch-free:
-
-    * the bracket [lo, hi] starts at the SPEC bounds and is tightened with the
-      sign of f at every iterate;
-    * the Halley step is the Newton step divided by (1 - L/2), L = h h''/h'^2;
-      clamping L to [-1, 1] bounds it to 2/3..2 Newton steps where h'' blows
-      up next to a kink, and keeps the cubic endgame (L -> 0 at the root);
-    * a step is replaced by bisection when it leaves the bracket, is not
-      finite, or is not at most half the step made two iterations earlier
-      (Numerical Recipes' rtsafe rule: it breaks Newton 2-cycles and the
-      stalls where entries join the support with a vertical tangent,
-      alpha > 2); steps of a few ulps are always accepted, so a converged
-      iterate stays put.
+    (see _h_and_derivs). The bracket [lo, hi] starts at the SPEC bounds and
+    is tightened with the sign of f at every iterate; each step is a Halley
+    step guarded by _safeguarded_step (bisection when it leaves the bracket or
+    stalls -- as it does where entries join the support with a vertical
+    tangent, alpha > 2). All branch-free; the count is fixed.
     """
     beta = 1.0 / (alpha - 1.0)
     if n_iter is None:
@@ -271,7 +288,7 @@ def _threshold_halley(
     else:
         t0 = torch.where(torch.isnan(t_init), lo, t_init)
         t = torch.minimum(torch.maximum(t0, lo), hi)  # a bad warm start is clamped
-    tiny = 8.0 * torch.finfo(d.dtype).eps
+    tiny = 8.0 * torch.finfo(d.dtype).eps  # |t| <= 1 in shifted coordinates
     step1 = hi - lo  # |step| one and two iterations back (rtsafe bookkeeping)
     step2 = hi - lo
     for _ in range(n_iter):
@@ -280,12 +297,7 @@ def _threshold_halley(
         lo = torch.where(above, t, lo)
         hi = torch.where(above, hi, t)
         h, h1, h2 = _h_and_derivs(s0, s1, s2, alpha)
-        L = torch.nan_to_num(h * h2 / (h1 * h1), nan=0.0, posinf=1.0, neginf=-1.0)
-        cand = t - (h / h1) / (1.0 - 0.5 * L.clamp(-1.0, 1.0))
-        size = (cand - t).abs()
-        ok = (cand >= lo) & (cand <= hi)  # False for NaN too
-        ok &= (size <= 0.5 * step2) | (size <= tiny)
-        new = torch.where(ok, cand, 0.5 * (lo + hi))
+        new = _safeguarded_step(t, lo, hi, h, h1, h2, step2, tiny)
         step2, step1 = step1, (new - t).abs()
         t = new
     return _newton_polish(d, t, alpha, lo, hi, POLISH_ITERS)
@@ -319,7 +331,7 @@ def _solve_shifted(
         elif alpha == 1.5:
             t = _sorted_prefix_threshold(d, _entmax15_candidates)
         else:
-            raise ValueError(f"the sort-based solver needs alpha in (1.5, 2), got alpha={alpha}")
+            raise ValueError(f"the sort-based solver needs alpha in {{1.5, 2}}, got alpha={alpha}")
         # float32 cumulative sums over long supports lose a few digits: re-solve
         # on the support the sort found.
         lo, hi = _bracket(n, alpha, d.dtype)
