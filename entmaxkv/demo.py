@@ -177,6 +177,8 @@ def format_table(rows: List[Row], args, device: str) -> str:
     lines += ["", "coverage: fraction of tokens read; delta: dropped full-cache probability mass;",
               "rho: support recall; R: relative L2 error vs full-cache attention of the same kind;",
               "certified: fraction of heads whose output is provably exact; ms: median time per decode step."]
+    if args.dtype != "float32":
+        lines.append(f"(R of the full rows is the rounding of the {args.dtype} output against a float32 truth.)")
     return "\n".join(lines)
 
 
