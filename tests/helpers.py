@@ -1,8 +1,7 @@
 """Shared builders for tests: random paged caches and their dense twins."""
 from __future__ import annotations
 
-import math
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import torch
 

@@ -1,7 +1,6 @@
 """Selection policies against brute-force definitions (SPEC section 5)."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """Quest bounds and Gaussian page statistics against brute force."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

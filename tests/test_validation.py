@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmaxkv import Certified, Full, Gaussian, TopK, decode
+from entmaxkv import Certified, Gaussian, TopK, decode
 from helpers import random_cache
 
 

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 import torch
 
 from ..model.checkpoint import load_model
 from ..model.lm import ModelConfig, TransformerLM
+from ..policies import Certified, Full, Gaussian, TopK
 
 TWINS = ("entmax", "softmax")
 # Certified decoding must reproduce full-cache logits to rounding (float32).
@@ -121,3 +120,15 @@ class Timer:
 
     def __call__(self) -> float:
         return round(time.time() - self.t0, 2)
+
+
+def twin_policies(twin: str, budgets: Sequence[int], L: int, args, seed_budget: int):
+    """(method, budget, policy) rows evaluated for one twin at context L: full,
+    top-k at every budget below L, and for entmax also Gaussian and certified
+    (seeded by TopK(seed_budget))."""
+    rows = [("full", None, Full())]
+    rows += [("topk", b, TopK(budget=b)) for b in budgets if b < L]
+    if twin == "entmax":
+        rows.append(("gaussian", None, Gaussian(q_max=args.q_max, margin=args.margin)))
+        rows.append(("certified", None, Certified(seed=TopK(budget=seed_budget))))
+    return rows

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..model.data import PK_DIGITS, decode as detok, draw_key, encode, load_split, passkey_prompt
+from ..model.data import PK_DIGITS, decode as detok, draw_key, load_split, passkey_prompt
 from ..model.generate import DecodeSession
-from ..policies import Certified, Full, Gaussian, TopK
 from .common import (CERT_TOL, TWINS, Timer, add_common_args, device_info, load_twins, model_info,
+                     twin_policies,
                      png_path, rel_err, setup, stats_certified, stats_coverage, write_json)
 
 
@@ -56,15 +56,6 @@ def build_prompts(stream: np.ndarray, L: int, trials: int, rng: np.random.Genera
     return torch.as_tensor(np.stack(rows), dtype=torch.long), keys
 
 
-def policies_for(twin: str, budgets: List[int], L: int, args):
-    rows = [("full", None, Full())]
-    rows += [("topk", b, TopK(budget=b)) for b in budgets if b < L]
-    if twin == "entmax":
-        rows.append(("gaussian", None, Gaussian(q_max=args.q_max, margin=args.margin)))
-        rows.append(("certified", None, Certified(seed=TopK(budget=args.certified_seed_budget))))
-    return rows
-
-
 @torch.no_grad()
 def run_passkey(args: argparse.Namespace) -> int:
     device = setup(args)
@@ -78,7 +69,7 @@ def run_passkey(args: argparse.Namespace) -> int:
         prompts, keys = build_prompts(stream, L, args.trials, rng)
         for twin in TWINS:
             model = models[twin]
-            pols = policies_for(twin, args.budgets, L, args)
+            pols = twin_policies(twin, args.budgets, L, args, args.certified_seed_budget)
             sess = DecodeSession(model, args.trials, L + PK_DIGITS, page_size=args.page_size,
                                  backend=args.backend, copies=len(pols))
             sess.prefill(prompts[:, :-1].to(device))
@@ -86,20 +77,13 @@ def run_passkey(args: argparse.Namespace) -> int:
             for ci, (method, budget, pol) in enumerate(pols):
                 cur = prompts[:, -1].to(device)
                 toks, logits, cov, cert = [], [], [], []
-                try:
-                    for _ in range(PK_DIGITS):
-                        lg, st = sess.step(cur, pol, return_stats=True, copy=ci)
-                        cur = lg.argmax(-1)
-                        toks.append(cur.cpu())
-                        logits.append(lg.float().cpu())
-                        cov.append(stats_coverage(st))
-                        cert.append(stats_certified(st))
-                except Exception as err:  # noqa: BLE001 - an optional policy may be unavailable
-                    if method in ("full", "certified"):
-                        raise
-                    cells.append({"length": L, "model": twin, "method": method, "budget": budget,
-                                  "error": f"{type(err).__name__}: {err}"})
-                    continue
+                for _ in range(PK_DIGITS):
+                    lg, st = sess.step(cur, pol, return_stats=True, copy=ci)
+                    cur = lg.argmax(-1)
+                    toks.append(cur.cpu())
+                    logits.append(lg.float().cpu())
+                    cov.append(stats_coverage(st))
+                    cert.append(stats_certified(st))
                 toks = torch.stack(toks, 1)
                 answers = [detok(t.tolist()) for t in toks]
                 correct = [a == str(k) for a, k in zip(answers, keys)]

@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from ..model.data import load_split, test_windows
 from ..model.generate import DecodeSession
-from ..policies import Certified, Full, Gaussian, TopK
 from .common import (CERT_TOL, TWINS, Timer, add_common_args, device_info, load_twins, model_info,
+                     twin_policies,
                      png_path, rel_err, setup, stats_certified, stats_coverage, write_json)
 
 
@@ -50,15 +50,6 @@ def add_perplexity_args(p: argparse.ArgumentParser) -> None:
                    help="budget of the TopK seed of the certified policy (default 1024)")
 
 
-def policies_for(twin: str, L: int, args):
-    rows = [("full", None, Full())]
-    rows += [("topk", b, TopK(budget=b)) for b in args.budgets if b < L]
-    if twin == "entmax":
-        rows.append(("gaussian", None, Gaussian(q_max=args.q_max, margin=args.margin)))
-        rows.append(("certified", None, Certified(seed=TopK(budget=min(args.certified_seed_budget, L)))))
-    return rows
-
-
 @torch.no_grad()
 def run_perplexity(args: argparse.Namespace) -> int:
     device = setup(args)
@@ -75,7 +66,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
         targets = win[:, n0 + 1:L + 1]  # [W, tail]
         for twin in TWINS:
             model = models[twin]
-            pols = policies_for(twin, L, args)
+            pols = twin_policies(twin, args.budgets, L, args, min(args.certified_seed_budget, L))
             sess = DecodeSession(model, args.windows, L, page_size=args.page_size,
                                  backend=args.backend, copies=len(pols))
             sess.prefill(win[:, :n0].to(device))
@@ -90,22 +81,14 @@ def run_perplexity(args: argparse.Namespace) -> int:
             logits_of = {}
             for ci, (method, budget, pol) in enumerate(pols):
                 nll, cov, cert, logits = 0.0, [], [], []
-                try:
-                    for t in range(args.tail):
-                        lg, st = sess.step(win[:, n0 + t].to(device), pol, return_stats=True, copy=ci)
-                        lg = lg.float()
-                        nll += F.cross_entropy(lg, targets[:, t].to(device), reduction="sum").item()
-                        cov.append(stats_coverage(st))
-                        cert.append(stats_certified(st))
-                        if method in ("full", "certified"):
-                            logits.append(lg.cpu())
-                except Exception as err:  # noqa: BLE001 - an optional policy may be unavailable
+                for t in range(args.tail):
+                    lg, st = sess.step(win[:, n0 + t].to(device), pol, return_stats=True, copy=ci)
+                    lg = lg.float()
+                    nll += F.cross_entropy(lg, targets[:, t].to(device), reduction="sum").item()
+                    cov.append(stats_coverage(st))
+                    cert.append(stats_certified(st))
                     if method in ("full", "certified"):
-                        raise
-                    rows.append({"length": L, "model": twin, "method": method, "budget": budget,
-                                 "nll": float("nan"), "ppl": float("nan"), "coverage": float("nan"),
-                                 "error": f"{type(err).__name__}: {err}"})
-                    continue
+                        logits.append(lg.cpu())
                 logits_of[method] = logits
                 nll /= args.windows * args.tail
                 rows.append({"length": L, "model": twin, "method": method, "budget": budget, "nll": nll,

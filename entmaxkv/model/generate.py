@@ -10,10 +10,9 @@ and ``run_generate`` are the ``entmaxkv generate`` command.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 

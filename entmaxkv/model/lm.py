@@ -21,7 +21,7 @@ D head dim, C d_model.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
 import torch
