@@ -1,39 +1,51 @@
 """Block-size sweep for the split attention kernel (dense softmax / entmax).
 
-Times ``kernels.dense_attend`` for a few (BLOCK_T, num_warps, num_stages,
-split factor, tile Newton steps) choices on one configuration per code path
-(one head per program: paper config; tl.dot path: GQA config) and prints a
-table; the chosen values are then written into ``_plan`` by hand.
+Times ``kernels.dense_attend`` for (BLOCK_T, num_warps, num_stages) x split
+factor x tile Newton steps on the given configurations (one head per
+program: paper config; tl.dot path: GQA config) and prints a table; the
+chosen values are then written into ``attention._plan`` by hand.
 
-    PYTHONPATH=. python benchmarks/tune.py
+    PYTHONPATH=.:benchmarks python benchmarks/tune.py --configs gqa_128k --alphas 1.0
 """
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
 
 from bench_decode import CONFIGS, build, capture, time_graph  # noqa: E402
 
+VARIANTS = {  # (BLOCK_T, num_warps, num_stages) per code path
+    "one_head": [(256, 4, 3), (512, 4, 3), (512, 8, 3), (1024, 8, 3), (512, 8, 4)],
+    "dot": [(64, 4, 5), (32, 4, 6), (32, 4, 4), (32, 2, 6), (128, 4, 4)],
+}
 
-def main():
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="paper_128k,gqa_32k")
+    ap.add_argument("--alphas", default="1.0,1.5")
+    ap.add_argument("--factors", default="4,8")
+    ap.add_argument("--newton", default="1")
+    args = ap.parse_args(argv)
     from entmaxkv.kernels import attention as A
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    plans = {
-        "paper_128k": [(256, 4, 3), (512, 4, 3), (512, 8, 3), (1024, 8, 3)],
-        "gqa_32k": [(32, 4, 3), (64, 4, 3), (128, 4, 3), (64, 8, 3)],
-    }
+    alphas = [float(a) for a in args.alphas.split(",")]
     out = []
-    for cname, variants in plans.items():
+    for cname in args.configs.split(","):
         cfg = CONFIGS[cname]
         B, n, HQ, H, D, dtype, P = cfg
         cache, ids, q, k4, v4 = build(cfg)
         ng = HQ // H
-        for alpha in (1.0, 1.5):
-            for factor in (4, 8):
+        variants = VARIANTS["dot" if ng >= 2 else "one_head"]
+        for alpha in alphas:
+            for factor in (int(f) for f in args.factors.split(",")):
                 A.SPLIT_FACTOR = factor
-                for newton in (1,):
+                for newton in (int(x) for x in args.newton.split(",")):
+                    if alpha == 1.0 and newton != int(args.newton.split(",")[0]):
+                        continue  # softmax has no lower bound
                     A.TILE_NEWTON = newton
                     for v in variants:
                         A.TUNE.clear()
@@ -49,9 +61,10 @@ def main():
                         print(f"{cname:11s} a{alpha} f{factor} nw{newton} {v} {ms:.4f}", flush=True)
         del cache, ids, q, k4, v4
         torch.cuda.empty_cache()
+    A.TUNE.clear()
     print("\nbest per (config, alpha):")
-    for cname in plans:
-        for alpha in (1.0, 1.5):
+    for cname in args.configs.split(","):
+        for alpha in alphas:
             rows = [r for r in out if r[0] == cname and r[1] == alpha and r[5] == r[5]]
             rows.sort(key=lambda r: r[5])
             for r in rows[:3]:

@@ -5,6 +5,9 @@ Layout (fixed by docs/contracts.md; the Triton kernels index it directly):
     k_pages, v_pages   [num_pages, kv_heads, page_size, head_dim]  storage dtype
     k_min, k_max       [num_pages, kv_heads, head_dim]             storage dtype
     k_mean, k_std      [num_pages, kv_heads, head_dim]             storage dtype
+                       (strided views: k_min/k_max are halves of k_bounds
+                       [num_pages, kv_heads, 2, head_dim], k_mean/k_std of
+                       k_moments, so one page-head's pair is contiguous)
     block_table        int32 [max_seqs, max_pages_per_seq]         (unused = 0)
     seq_lens           int32 [max_seqs]                            (free = 0)
 
@@ -79,6 +82,11 @@ class PagedKVCache:
       of float32 running statistics (Welford): the mean and the *population*
       standard deviation over the page's valid keys, computed from the stored
       (rounded) keys.
+    - ``k_bounds`` = stack(k_min, k_max) and ``k_moments`` = stack(k_mean,
+      k_std): [num_pages, H, 2, D]. The four statistics are strided views
+      into these two tensors, so the two halves a policy reads for one page
+      and head are adjacent (2 * D * itemsize bytes, one DRAM burst at D = 32
+      in half precision) instead of two scattered half-lines.
     - ``block_table``: int32 [max_seqs, max_pages_per_seq]; unused entries 0.
     - ``seq_lens``: int32 [max_seqs]; 0 for a free or empty slot.
 
@@ -139,10 +147,13 @@ class PagedKVCache:
         P, H, D = page_size, kv_heads, head_dim
         self.k_pages = torch.zeros(num_pages, H, P, D, dtype=dtype, device=device)
         self.v_pages = torch.zeros_like(self.k_pages)
-        self.k_min = torch.zeros(num_pages, H, D, dtype=dtype, device=device)
-        self.k_max = torch.zeros_like(self.k_min)
-        self.k_mean = torch.zeros_like(self.k_min)
-        self.k_std = torch.zeros_like(self.k_min)
+        # Pairs read together by one policy share a tensor (see the docstring);
+        # every write below goes through the views (index_put_ on a view
+        # writes its base).
+        self.k_bounds = torch.zeros(num_pages, H, 2, D, dtype=dtype, device=device)
+        self.k_moments = torch.zeros_like(self.k_bounds)
+        self.k_min, self.k_max = self.k_bounds[:, :, 0], self.k_bounds[:, :, 1]
+        self.k_mean, self.k_std = self.k_moments[:, :, 0], self.k_moments[:, :, 1]
         # float32 Welford state behind k_mean / k_std.
         self._mean32 = torch.zeros(num_pages, H, D, dtype=torch.float32, device=device)
         self._m2 = torch.zeros_like(self._mean32)

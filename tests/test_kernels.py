@@ -156,9 +156,30 @@ def test_float64_query_runs_in_float32():
     TopK(24), TopK(64, sinks=1, window=2), TopK(40, per_query_head=True), TopK(16, sinks=3, window=1),
 ], ids=["k24", "k64-sinks-window", "k40-per-q", "k16-sinks3"])
 @pytest.mark.parametrize("P,lens", [(4, [37, 1300, 5]), (8, [2100, 1, 333])], ids=["p4", "p8"])
-def test_topk_select_matches_reference(policy, P, lens):
-    """lens with 1300/2100 tokens span several chunks: the merge kernel runs."""
+@pytest.mark.parametrize("merge", ["regs", "loop"])
+def test_topk_select_matches_reference(policy, P, lens, merge, monkeypatch):
+    """lens with 1300/2100 tokens span several chunks: the merge kernel runs,
+    with the row's candidates in registers or (MERGE_REGS = 1) streamed."""
+    if merge == "loop":
+        monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "MERGE_REGS", 1)
     cache, ids, q, sl = setup(lens, 2, 3, 16, P, torch.float16, seed=6, slopes=True)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert sel.pages.shape == ref.pages.shape
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    assert page_sets(sel) == page_sets(ref)
+
+
+@pytest.mark.parametrize("policy", [TopK(24), TopK(40, sinks=1, window=2)], ids=["k24", "k40-sinks-window"])
+@pytest.mark.parametrize("dtype,H,D,P,slopes", [
+    (torch.float16, 3, 24, 4, True), (torch.bfloat16, 5, 16, 8, False), (torch.float32, 2, 40, 1, True),
+], ids=["f16-h3-alibi", "bf16-h5", "f32-h2-p1-alibi"])
+@pytest.mark.parametrize("all_heads", [True, False], ids=["all-heads", "per-head"])
+def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_heads, monkeypatch):
+    """MHA (G = 1): _keys_kernel scores every head of a page in one program
+    (odd head counts pad to a power of two); the per-head path must agree."""
+    monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "ALL_HEADS", all_heads)
+    cache, ids, q, sl = setup([700, 3, 1100], H, 1, D, P, dtype, seed=9, slopes=slopes)
     sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     assert sel.pages.shape == ref.pages.shape

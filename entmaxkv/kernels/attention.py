@@ -23,7 +23,7 @@ synchronises with the host:
    so contribute nothing. alpha = 2 / 1.5: Newton from the left until the
    support is stable, then the closed form on it; other alpha: safeguarded
    Halley (as the reference).
-3. ``_vacc_kernel`` (grid B*S x NSPLIT, entmax only): p = [x - tau]_+^beta over
+3. ``_vacc_kernel`` (grid B*HQ x NSPLIT, entmax only): p = [x - tau]_+^beta over
    each split's candidates; V rows are gathered only where p > 0 (tiles with
    no support load no V at all).
 4. ``_combine_kernel`` (grid B*HQ): merges the split partials, writes the output
@@ -58,7 +58,9 @@ POLISH_ITERS = 2
 # Cap on Newton-from-the-left steps for alpha in {1.5, 2} (each step is exact
 # on its support, so a handful suffice; the cap only guards pathological rows).
 NEWTON_MAX = 64
-# Newton steps per tile that tighten the running lower bound in pass 1.
+# Newton steps per tile that tighten the running lower bound in pass 1 (every
+# tile: a conditional update inside the loop measured slower, it defeats the
+# software pipelining of the K loads).
 TILE_NEWTON = 1
 
 
@@ -72,25 +74,33 @@ TUNE: dict = {}
 SPLIT_FACTOR = 8
 
 
-def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool) -> dict:
+def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool, itemsize: int = 2) -> dict:
     """Block sizes and split count from shapes only (graph-capturable)."""
-    # Measured on the H200 (benchmarks/tune.py, 2026-11-30): one head per
-    # program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps; tl.dot path,
-    # d 128: 128 x 4 warps; 8 programs per SM for both.
+    # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
+    # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps,
+    # 3 stages; tl.dot path, d 128 bf16: softmax 64 x 4 warps x 5 stages,
+    # entmax (K only) 32 x 4 warps x 6 stages. Deep pipelines of small tiles
+    # win there; the stage count is capped so the buffers stay within
+    # ~160 KB of shared memory for any head dim and dtype.
     use_dot = NG >= 2
     block_d = next_pow2(D)
     if use_dot:
         block_g = max(16, next_pow2(NG))
         block_d = max(16, block_d)
-        block_t = max(16, min(128, 16384 // block_d))
+        if softmax:
+            block_t, depth = max(16, min(64, 8192 // block_d)), 5
+        else:
+            block_t, depth = max(16, min(32, 4096 // block_d)), 6
         warps = 4
+        stage_bytes = block_t * block_d * itemsize * (2 if softmax else 1)
+        stages = max(2, min(depth, (160 * 1024) // stage_bytes))
     else:
         block_g = 1
         if softmax:
             block_t, warps = max(16, min(256, 8192 // block_d)), 4
         else:
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
-    stages = 3
+        stages = 3
     key = (NG, D, softmax)
     if key in TUNE:
         block_t, warps, stages = TUNE[key]
@@ -129,6 +139,26 @@ def _pv(b_p, b_v, DOT_F32: tl.constexpr, PREC: tl.constexpr):
         p_lo = (b_p - p_hi.to(tl.float32)).to(b_v.dtype)
         b_o = tl.dot(p_hi, b_v) + tl.dot(p_lo, b_v)
     return b_o
+
+
+@triton.jit
+def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr):
+    """Raise the lower bounds b_lb [R] on tau from b_top [R, T].
+
+    b_top[r, t] is the largest x seen so far in slot t: distinct tokens, so tau
+    over them is <= tau (a subset, SPEC section 1) and >= their max - 1. A
+    Newton step on their f from a point where it is >= 0 stays below that root
+    (f convex for alpha <= 2): lb only grows, stays valid, and tightens as the
+    slots collect the split's largest scores.
+    """
+    b_t = tl.maximum(b_lb, tl.max(b_top, axis=1) - 1.0)
+    for _ in tl.static_range(NEWTON):
+        b_u = tl.where(b_top > b_t[:, None], b_top - b_t[:, None], 0.0)
+        u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+        f = tl.sum(u0, axis=1) - 1.0
+        fp = beta * tl.sum(u1, axis=1)
+        b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+    return tl.maximum(b_lb, b_t)
 
 
 @triton.jit
@@ -197,7 +227,7 @@ def _split_kernel(
             b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         else:
             b_lb = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            b_mx = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            b_top = tl.full([BLOCK_G, BLOCK_T], float("-inf"), tl.float32)
             b_nc = tl.zeros([BLOCK_G, BLOCK_T], tl.int32)
             o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * KROWS * NSLOT)[:, None] + o_col[None, :]
     else:
@@ -210,8 +240,8 @@ def _split_kernel(
             b_l = tl.zeros([BLOCK_T], tl.float32)
             b_acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         else:
-            b_lb = tl.full([], float("-inf"), tl.float32)
-            b_mx = tl.full([], float("-inf"), tl.float32)
+            b_lb = tl.full([1], float("-inf"), tl.float32)
+            b_top = tl.full([BLOCK_T], float("-inf"), tl.float32)
             b_nc = tl.zeros([BLOCK_T], tl.int32)
             o_c = (i_b * HQ + h0).to(tl.int64) * KROWS * NSLOT + o_col
 
@@ -250,18 +280,8 @@ def _split_kernel(
                 b_m = m_new
             else:
                 b_x = b_s * am1
-                m_x = tl.max(b_x, axis=1)
-                b_mx = tl.maximum(b_mx, m_x)
-                # tau >= tau_tile >= m_x - 1, and a Newton step from a point where
-                # f_tile >= 0 stays below tau_tile (f convex for alpha <= 2).
-                b_t = tl.maximum(b_lb, m_x - 1.0)
-                for _ in tl.static_range(NEWTON):
-                    b_u = tl.where(b_x > b_t[:, None], b_x - b_t[:, None], 0.0)
-                    u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-                    f = tl.sum(u0, axis=1) - 1.0
-                    fp = beta * tl.sum(u1, axis=1)
-                    b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
-                b_lb = tl.maximum(b_lb, b_t)
+                b_top = tl.maximum(b_top, b_x)
+                b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
                 m_c = b_x > b_lb[:, None]  # only these can be in the support
                 p_c = o_c + b_nc.to(tl.int64) * NSLOT
                 tl.store(cx_ptr + p_c, b_x, mask=m_c)
@@ -286,16 +306,8 @@ def _split_kernel(
                 b_m = m_new
             else:
                 b_x = b_s * am1
-                m_x = tl.max(b_x, axis=0)
-                b_mx = tl.maximum(b_mx, m_x)
-                b_t = tl.maximum(b_lb, m_x - 1.0)
-                for _ in tl.static_range(NEWTON):
-                    b_u = tl.where(b_x > b_t, b_x - b_t, 0.0)
-                    u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-                    f = tl.sum(u0, axis=0) - 1.0
-                    fp = beta * tl.sum(u1, axis=0)
-                    b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
-                b_lb = tl.maximum(b_lb, b_t)
+                b_top = tl.maximum(b_top, b_x)  # as in the tl.dot branch
+                b_lb = _lb_update(b_top[None, :], b_lb, beta, BETA_KIND, NEWTON)
                 m_c = b_x > b_lb
                 p_c = o_c + b_nc.to(tl.int64) * NSLOT
                 tl.store(cx_ptr + p_c, b_x, mask=m_c)
@@ -315,15 +327,18 @@ def _split_kernel(
         tl.store(pl_ptr + o_r, b_l, mask=m_g)
         tl.store(pacc_ptr + o_r[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
     else:
+        # the split's max and a last lb update (a tighter start for the solve)
         if USE_DOT:
+            b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
             o_n = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSLOT)[:, None] + o_col[None, :]
             tl.store(cn_ptr + o_n, b_nc, mask=m_g[:, None])
             tl.store(clb_ptr + o_r, b_lb, mask=m_g)
-            tl.store(cm_ptr + o_r, b_mx, mask=m_g)
+            tl.store(cm_ptr + o_r, tl.max(b_top, axis=1), mask=m_g)
         else:
+            b_lb = _lb_update(b_top[None, :], b_lb, beta, BETA_KIND, NEWTON)
             tl.store(cn_ptr + (i_b * HQ + h0).to(tl.int64) * NSLOT + o_col, b_nc)
-            tl.store(clb_ptr + o_r, b_lb[None], mask=m_g)
-            tl.store(cm_ptr + o_r, b_mx[None], mask=m_g)
+            tl.store(clb_ptr + o_r, b_lb, mask=m_g)
+            tl.store(cm_ptr + o_r, tl.max(b_top[None, :], axis=1), mask=m_g)
 
 
 @triton.jit
@@ -333,13 +348,15 @@ def _cand_sums(p_x, p_n, tau, mshift, beta,
     """Sums over the candidates x > tau of one head ([KROWS, NSLOT] table, column
     j holding p_n[j] entries).
 
-    ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x) for the
-    closed forms; ORDER 2: (f, f', f'') of f = sum [x - tau]_+^beta - 1.
+    ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x, max x <= tau)
+    over x > tau, for the closed forms; ORDER 2: (f, f', f'', -, -) of
+    f = sum [x - tau]_+^beta - 1.
     """
     a0 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
     a1 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
     a2 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
     a3 = tl.full([BLOCK_K, BLOCK_S], float("inf"), tl.float32)
+    a4 = tl.full([BLOCK_K, BLOCK_S], float("-inf"), tl.float32)
     for j0 in range(0, NSLOT, BLOCK_S):
         o_j = j0 + tl.arange(0, BLOCK_S)
         n_j = tl.load(p_n + o_j, mask=o_j < NSLOT, other=0)
@@ -356,6 +373,7 @@ def _cand_sums(p_x, p_n, tau, mshift, beta,
                 a1 += d
                 a2 += d * d
                 a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
+                a4 = tl.maximum(a4, tl.where(on, float("-inf"), b_x))
             else:
                 b_u = tl.where(on, b_x - tau, 0.0)
                 u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
@@ -366,11 +384,12 @@ def _cand_sums(p_x, p_n, tau, mshift, beta,
     r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
     r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
     r3 = tl.min(tl.min(a3, axis=1), axis=0)
+    r4 = tl.max(tl.max(a4, axis=1), axis=0)
     if ORDER == 2:
         r0 = r0 - 1.0  # f
         r1 = -beta * r1  # f'
         r2 = beta * (beta - 1.0) * r2  # f''
-    return r0, r1, r2, r3
+    return r0, r1, r2, r3, r4
 
 
 @triton.jit
@@ -410,21 +429,25 @@ def _solve_kernel(
         it = tl.full([], 0, tl.int32)
         go = tl.full([], 1, tl.int32)
         while (go != 0) & (it < NEWTON_CAP):
-            k, s1, s2, mn = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 0)
+            k, s1, s2, mn, mx_off = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 0)
             kk = tl.maximum(k, 1.0)
             dt = tau - m
+            # (tau >= lo, so a closed form rounding below lo is taken as lo)
             if BETA_KIND == 1:
-                tc = m + (s1 - 1.0) / kk
+                tc = tl.maximum(m + (s1 - 1.0) / kk, lo)
                 t_next = tc
             else:
                 disc = s1 * s1 - kk * (s2 - 1.0)
                 tc = m + (s1 - tl.sqrt(tl.maximum(disc, 0.0))) / kk
-                tc = tl.where(disc >= 0, tc, float("-inf"))
+                tc = tl.where(disc >= 0, tl.maximum(tc, lo), float("-inf"))
                 # f = sum (d - dt)^2 - 1, f' = -2 sum (d - dt), d = x - m on the support
                 f = s2 - 2.0 * dt * s1 + kk * dt * dt - 1.0
                 fp = 2.0 * (s1 - kk * dt)
                 t_next = tau + f / tl.where(fp > 0, fp, 1.0)
-            exact = (tc >= tau) & (mn > tc) & (k > 0)
+            # exact iff the support of tc is the support it was computed on:
+            # every counted x above tc, every other x at or below it (also
+            # when rounding puts tc a hair below tau)
+            exact = (mn > tc) & (mx_off <= tc) & (k > 0)
             tau = tl.where(exact, tc, tl.maximum(t_next, tau))
             go = tl.where(exact | (k == 0), 0, 1)
             it += 1
@@ -436,7 +459,7 @@ def _solve_kernel(
         else:
             tau = lo
         for _ in range(HALLEY):
-            f, d1, d2, _mn = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
+            f, d1, d2, _mn, _mx = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
             above = f > 0
             lo = tl.where(above, tau, lo)
             hi = tl.where(above, hi, tau)
@@ -449,7 +472,7 @@ def _solve_kernel(
             ok = (cand >= lo) & (cand <= hi) & (d1 != 0)
             tau = tl.where(ok, cand, 0.5 * (lo + hi))
         for _ in range(POLISH):
-            f, d1, d2, _mn = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
+            f, d1, d2, _mn, _mx = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
             step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
             tau = tl.minimum(tl.maximum(tau + step, lo), hi)
     tau = tl.where(empty, float("inf"), tau)
@@ -462,37 +485,36 @@ def _vacc_kernel(
     beta, KROWS,
     stride_vp, stride_vh, stride_vr,
     HQ, G,
-    S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+    NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr,
 ):
-    """p = [x - tau]_+^beta over one split's candidates; V rows only where p > 0."""
-    i_r = tl.program_id(0)
+    """p = [x - tau]_+^beta over one split's candidates of one query head; V
+    rows only where p > 0. One program per (query head, split): the chain of
+    dependent loads (candidate -> V row) is short, heads run in parallel."""
+    i_h = tl.program_id(0)  # b * HQ + query head
     i_s = tl.program_id(1)
-    i_b = i_r // S
-    h0 = (i_r % S) * NG
-    kvh = h0 // G
+    kvh = (i_h % HQ) // G
     NSLOT: tl.constexpr = NSPLIT * BLOCK_T
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    for g in range(NG):
-        r = (i_b * HQ + h0 + g).to(tl.int64)
-        tau = tl.load(tau_ptr + r)
-        b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
-        for c0 in range(0, BLOCK_T, BLOCK_C):
-            o_j = i_s * BLOCK_T + c0 + tl.arange(0, BLOCK_C)
-            n_j = tl.load(cn_ptr + r * NSLOT + o_j)
-            for k in range(0, tl.max(n_j, axis=0)):
-                m_j = k < n_j
-                o_x = (r * KROWS + k) * NSLOT + o_j
-                b_x = tl.load(cx_ptr + o_x, mask=m_j, other=float("-inf"))
-                b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
-                m_p = m_j & (b_p > 0)
-                b_tok = tl.load(ci_ptr + o_x, mask=m_j, other=0)
-                o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
-                b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
-                b_acc += tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
-        tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, tl.sum(b_acc, axis=0), mask=m_d)
+    r = i_h.to(tl.int64)
+    tau = tl.load(tau_ptr + r)
+    b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+    for c0 in range(0, BLOCK_T, BLOCK_C):
+        o_j = i_s * BLOCK_T + c0 + tl.arange(0, BLOCK_C)
+        n_j = tl.load(cn_ptr + r * NSLOT + o_j)
+        for k in range(0, tl.max(n_j, axis=0)):
+            m_j = k < n_j
+            o_x = (r * KROWS + k) * NSLOT + o_j
+            b_x = tl.load(cx_ptr + o_x, mask=m_j, other=float("-inf"))
+            b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+            m_p = m_j & (b_p > 0)
+            b_tok = tl.load(ci_ptr + o_x, mask=m_j, other=0)
+            o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
+            b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+            b_acc += tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
+    tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, tl.sum(b_acc, axis=0), mask=m_d)
 
 
 @triton.jit
@@ -557,7 +579,7 @@ def _run(
     dev = q.device
     qk = q.float() if q.dtype == torch.float64 else q  # the oracle dtype runs in float32
     softmax = alpha == 1.0
-    cfg = _plan(B, S, NG, D, W, P, dev, softmax)
+    cfg = _plan(B, S, NG, D, W, P, dev, softmax, cache.k_pages.element_size())
     NSPLIT, BLOCK_T = cfg["NSPLIT"], cfg["BLOCK_T"]
     NS_P2 = next_pow2(NSPLIT)
     NSLOT = NSPLIT * BLOCK_T
@@ -623,14 +645,14 @@ def _run(
         if not want_out:
             return None, tau.view(B, HQ)
         block_d = next_pow2(D)
-        _vacc_kernel[(B * S, NSPLIT)](
+        _vacc_kernel[(R, NSPLIT)](
             cache.v_pages, cx, ci, cn, tau, pacc,
             float(beta), KROWS,
             svp, svh, svr,
             HQ, G,
-            S=S, NG=NG, NSPLIT=NSPLIT, BLOCK_T=BLOCK_T, P=P, D=D, BLOCK_D=block_d,
-            BLOCK_C=max(1, min(BLOCK_T, 4096 // block_d)), BETA_KIND=bk,
-            num_warps=4,
+            NSPLIT=NSPLIT, BLOCK_T=BLOCK_T, P=P, D=D, BLOCK_D=block_d,
+            BLOCK_C=max(1, min(BLOCK_T, 8192 // block_d)), BETA_KIND=bk,
+            num_warps=4 if block_d <= 64 else 8,
         )
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
     _combine_kernel[(R,)](

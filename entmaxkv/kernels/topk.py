@@ -29,24 +29,55 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import as_slopes, cdiv, interpreting, next_pow2
-from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
+from ._common import as_slopes, cdiv, interpreting, next_pow2, num_sms
+from .scoring import head_pairs, load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
+# Score all heads of a page in one program when there is one query head per KV
+# head (tests switch it off to cover the per-head path on MHA shapes too).
+ALL_HEADS = True
+# Warps of _chunk_kernel when the keys are ready (the bisection is ALU-bound:
+# fewer warps per chunk = less reduction overhead per key).
+SELECT_WARPS = 4
+# Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
+MERGE_REGS = 16384
 
 # ---------------------------------------------------------------------------
 # heuristics
 # ---------------------------------------------------------------------------
 
 
-def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype) -> dict:
+def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, sms: int) -> dict:
+    """Chunk size: as large as possible (up to 4096 pages), so that the
+    bisection of a chunk is short next to its metadata read and the merge has
+    few candidates, but small enough for two programs per multiprocessor."""
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     block_m = cfg["BLOCK_M"]
     cap = 256 if interpreting() else 4096
-    ch = max(block_m, min(cap, max(1024, next_pow2(8 * K)), next_pow2(M)))
-    ch = max(ch, block_m)
-    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch))
+    ch = max(block_m, min(cap, next_pow2(M)))
+    floor = max(block_m, min(ch, 1024, next_pow2(4 * K)))
+    while ch > floor and rows * cdiv(M, ch) < 2 * sms:
+        ch //= 2
+    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch), WARPS=8 if ch >= 2048 else 4)
     return cfg
+
+
+def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
+    """_keys_kernel blocks: BLOCK_M pages x all heads per step (about 16K
+    values in registers), KCH pages per program, at least 4 programs per SM."""
+    per_page = next_pow2(H) * 2 * next_pow2(D)
+    block_m = max(1, min(32, 16384 // per_page))
+    if interpreting():
+        block_m = min(block_m, 16)
+    kch = block_m
+    while kch < 1024 and B * cdiv(MK, kch * 2) >= 4 * sms:
+        kch *= 2
+    return dict(BLOCK_M=block_m, KCH=kch, WARPS=8 if block_m * per_page >= 8192 else 4)
+
+
+def half_offset(first: torch.Tensor, second: torch.Tensor) -> int:
+    """Element offset of a cache statistic from its partner (D for the packed layout)."""
+    return (second.data_ptr() - first.data_ptr()) // first.element_size()
 
 
 # ---------------------------------------------------------------------------
@@ -63,10 +94,12 @@ def sortable_key(x):
 
 @triton.jit
 def kth_largest(keys, K):
-    """Largest T with count(keys >= T) >= K (int64 scalar), by bisection on 32 bits."""
-    lo = tl.full([], INT32_MIN, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
+    """Largest T with count(keys >= T) >= K (int32), by bisection on the key
+    bits between the smallest and largest key (about 24 steps for keys within
+    a few binades, at most 32); keys need not be valid for K <= 0."""
+    lo = tl.min(keys, axis=0).to(tl.int64)
+    hi = tl.max(keys, axis=0).to(tl.int64)
+    while lo < hi:
         mid = lo + (hi - lo + 1) // 2
         c = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32))
         ge = c >= K
@@ -92,6 +125,65 @@ def row_budget(n, sinks, window, k_pages, P: tl.constexpr):
 
 
 @triton.jit
+def _keys_kernel(
+    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
+    scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
+    M, MK, sinks, window, k_pages,
+    H: tl.constexpr, HP: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
+):
+    """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
+    (one query head per KV head): each page's metadata of every head is read
+    as one contiguous run. Keys go to key_ptr[(b * H + h) * MK + page]
+    (INT32_MIN past the end, up to MK = NCH * CH), in the layout
+    _chunk_kernel reads with KEYS_READY."""
+    i_b = tl.program_id(0)
+    i_c = tl.program_id(1)
+    KCH: tl.constexpr = NSUB * BLOCK_M
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
+    o_h = tl.arange(0, HP)
+    m_h = o_h < H
+    o_2 = tl.arange(0, 2)
+    o_d = tl.arange(0, BLOCK_D)
+    m_qd = m_h[:, None] & (o_d < D)[None, :]
+    b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
+                  mask=m_qd, other=0.0).to(tl.float32)
+    # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
+    b_qq = tl.where((o_2 == 0)[None, :, None], tl.minimum(b_q, 0.0)[:, None, :], tl.maximum(b_q, 0.0)[:, None, :])
+    if HAS_ALIBI:
+        b_sl = tl.load(slopes_ptr + o_h, mask=m_h, other=0.0)
+    o_row = (i_b * H + o_h).to(tl.int64)
+    o_m = i_c * KCH + tl.arange(0, BLOCK_M)
+    phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
+    for j in range(NSUB):
+        o_m_nx = o_m + BLOCK_M
+        phys_nx, m_v_nx, n_tok_nx = page_rows(bt_ptr, seq, n, o_m_nx, M, P)
+        b_k = head_pairs(kmin_ptr, phys, m_v, stride_mp, stride_mh, half_off, H, HP, D, BLOCK_D)
+        b_u = tl.sum(tl.sum(b_k * b_qq[None, :, :, :], axis=3), axis=2) * scale  # [BLOCK_M, HP]
+        if HAS_ALIBI:
+            pos_q = n - 1
+            rel_first = (o_m * P - pos_q).to(tl.float32)
+            rel_last = (o_m * P + n_tok - 1 - pos_q).to(tl.float32)
+            b_u += tl.maximum(rel_first[:, None] * b_sl[None, :], rel_last[:, None] * b_sl[None, :])
+        b_u = tl.where(m_v[:, None], b_u, float("-inf"))
+        if WRITE_UB:  # the certified policy's safe bound: u + rounding slack (scoring.bound_slack)
+            b_kabs = tl.max(tl.abs(b_k), axis=2)  # [BLOCK_M, HP, BLOCK_D]
+            b_mag = tl.sum(b_kabs * tl.abs(b_q)[None, :, :], axis=2) * scale
+            if HAS_ALIBI:
+                b_mag += tl.abs(b_sl)[None, :] * (n + 1).to(tl.float32)
+            b_slack = (4.0 * (D + 4) * 1.1920928955078125e-07) * b_mag
+            tl.store(ub_ptr + o_row[None, :] * M + o_m[:, None], b_u + b_slack,
+                     mask=(o_m < M)[:, None] & m_h[None, :])
+        forced = (o_m < sinks) | (o_m >= npages - wnd)
+        b_rank = tl.where(forced[:, None], float("inf"), b_u)
+        b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
+        tl.store(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, mask=(o_m < MK)[:, None] & m_h[None, :])
+        o_m, phys, m_v, n_tok = o_m_nx, phys_nx, m_v_nx, n_tok_nx
+
+
+@triton.jit
 def _chunk_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, kmax_ptr,
     key_ptr, ck_ptr, cp_ptr, cn_ptr, ub_ptr, pages_ptr, counts_ptr,
@@ -99,7 +191,7 @@ def _chunk_kernel(
     HQ, G, M, W, sinks, window, k_pages,
     S: tl.constexpr, NG: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr, KEYS_READY: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
     i_r = tl.program_id(0)
@@ -117,21 +209,28 @@ def _chunk_kernel(
     m_g = o_g < NG
     p_key = key_ptr + (i_r.to(tl.int64) * NCH + i_c) * CH
 
-    # -- 1. bounds -> rank keys of the chunk's pages (staged through L2)
-    for j in range(NSUB):
-        o_m = i_c * CH + j * BLOCK_M + tl.arange(0, BLOCK_M)
+    # -- 1. bounds -> rank keys of the chunk's pages (staged through L2);
+    #       with KEYS_READY _keys_kernel has written them already
+    if not KEYS_READY:
+        o_m = i_c * CH + tl.arange(0, BLOCK_M)
         phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
-        b_u, b_slack = page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m, n - 1, kvh,
-                                   scale, stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI,
-                                   USE_DOT, DOT_F32, PREC, WRITE_UB)
-        if WRITE_UB:  # the certified policy's safe bound: u + rounding slack
-            o_u = ((i_b * HQ + h0 + o_g).to(tl.int64) * M)[:, None] + o_m[None, :]
-            tl.store(ub_ptr + o_u, b_u + b_slack, mask=m_g[:, None] & (o_m < M)[None, :])
-        b_rank = tl.max(tl.where(m_g[:, None], b_u, float("-inf")), axis=0)
-        forced = (o_m < sinks) | (o_m >= npages - wnd)
-        b_rank = tl.where(forced, float("inf"), b_rank)
-        b_key = tl.where(m_v, sortable_key(b_rank), INT32_MIN)
-        tl.store(p_key + j * BLOCK_M + tl.arange(0, BLOCK_M), b_key)
+        for j in range(NSUB):
+            # the next block's physical pages are loaded before this block's
+            # metadata is used, so the two dependent loads overlap
+            o_m_nx = o_m + BLOCK_M
+            phys_nx, m_v_nx, n_tok_nx = page_rows(bt_ptr, seq, n, o_m_nx, M, P)
+            b_u, b_slack = page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m, n - 1, kvh,
+                                       scale, stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI,
+                                       USE_DOT, DOT_F32, PREC, WRITE_UB)
+            if WRITE_UB:  # the certified policy's safe bound: u + rounding slack
+                o_u = ((i_b * HQ + h0 + o_g).to(tl.int64) * M)[:, None] + o_m[None, :]
+                tl.store(ub_ptr + o_u, b_u + b_slack, mask=m_g[:, None] & (o_m < M)[None, :])
+            b_rank = tl.max(tl.where(m_g[:, None], b_u, float("-inf")), axis=0)
+            forced = (o_m < sinks) | (o_m >= npages - wnd)
+            b_rank = tl.where(forced, float("inf"), b_rank)
+            b_key = tl.where(m_v, sortable_key(b_rank), INT32_MIN)
+            tl.store(p_key + j * BLOCK_M + tl.arange(0, BLOCK_M), b_key)
+            o_m, phys, m_v, n_tok = o_m_nx, phys_nx, m_v_nx, n_tok_nx
     tl.debug_barrier()
 
     # -- 2. the chunk's k_row best pages, by bisection on the key bits
@@ -159,11 +258,28 @@ def _chunk_kernel(
 
 
 @triton.jit
+def _emit(b_key, b_page, m_w, T, k_row, n_gt, n_eq, n_out, p_out, R: tl.constexpr, C: tl.constexpr):
+    """Store the pages of a [R, C] tile with key > T, then ties at T while
+    fewer than k_row pages are kept; returns the updated (n_eq, n_out)."""
+    m_gt = m_w & (b_key > T)
+    m_eq = m_w & (b_key == T) & (b_key > INT32_MIN)
+    N: tl.constexpr = R * C
+    shape: tl.constexpr = [R, C]
+    f_eq = tl.reshape(m_eq.to(tl.int32), [N])
+    r_eq = tl.reshape(tl.cumsum(f_eq, axis=0), shape) - 1 + n_eq
+    m_sel = m_gt | (m_eq & (r_eq < k_row - n_gt))
+    f_sel = tl.reshape(m_sel.to(tl.int32), [N])
+    i_out = tl.reshape(tl.cumsum(f_sel, axis=0), shape) - 1 + n_out
+    tl.store(p_out + i_out, b_page, mask=m_sel)
+    return n_eq + tl.sum(f_eq, axis=0), n_out + tl.sum(f_sel, axis=0)
+
+
+@triton.jit
 def _merge_kernel(
     ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr,
     W, sinks, window, k_pages,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_W: tl.constexpr, S: tl.constexpr,
-    P: tl.constexpr,
+    P: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_b = i_r // S
@@ -172,50 +288,53 @@ def _merge_kernel(
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
     o_c = tl.arange(0, NCH_P2)
     n_c = tl.load(cn_ptr + i_r * NCH + o_c, mask=o_c < NCH, other=0)
-    max_n = tl.max(n_c, axis=0)
     p_row = (i_r.to(tl.int64) * NCH + o_c) * W  # [NCH_P2]
+    p_out = pages_ptr + i_r.to(tl.int64) * W
+    N: tl.constexpr = NCH_P2 * BLOCK_W
+    zero = tl.zeros([], tl.int32)
 
-    # -- bisection on the key bits over every candidate of the row
-    lo = tl.full([], INT32_MIN, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        c = tl.zeros([], tl.int32)
+    if ONE_TILE:
+        # every candidate of the row fits in registers: load once, bisect there
+        o_w = tl.arange(0, BLOCK_W)
+        m_w = o_w[None, :] < n_c[:, None]
+        b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
+        b_page = tl.load(cp_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=0)
+        T = kth_largest(tl.reshape(b_key, [N]), k_row)
+        n_gt = tl.sum(tl.sum((m_w & (b_key > T)).to(tl.int32), axis=1), axis=0)
+        _n_eq, n_out = _emit(b_key, b_page, m_w, T, k_row, n_gt, zero, zero, p_out, NCH_P2, BLOCK_W)
+    else:
+        max_n = tl.max(n_c, axis=0)
+        # -- bisection on the key bits over every candidate of the row
+        lo = tl.full([], INT32_MIN, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo + 1) // 2
+            c = tl.zeros([], tl.int32)
+            for off in range(0, max_n, BLOCK_W):
+                o_w = off + tl.arange(0, BLOCK_W)
+                m_w = o_w[None, :] < n_c[:, None]
+                b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
+                c += tl.sum(tl.sum((m_w & (b_key >= mid.to(tl.int32))).to(tl.int32), axis=1), axis=0)
+            ge = c >= k_row
+            lo = tl.where(ge, mid, lo)
+            hi = tl.where(ge, hi, mid - 1)
+        T = lo.to(tl.int32)
+
+        # -- emit: every key > T, then ties at T until k_row pages are kept
+        n_gt = tl.zeros([], tl.int32)
         for off in range(0, max_n, BLOCK_W):
             o_w = off + tl.arange(0, BLOCK_W)
             m_w = o_w[None, :] < n_c[:, None]
             b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
-            c += tl.sum(tl.sum((m_w & (b_key >= mid.to(tl.int32))).to(tl.int32), axis=1), axis=0)
-        ge = c >= k_row
-        lo = tl.where(ge, mid, lo)
-        hi = tl.where(ge, hi, mid - 1)
-    T = lo.to(tl.int32)
-
-    # -- emit: every key > T, then ties at T until k_row pages are kept
-    n_gt = tl.zeros([], tl.int32)
-    for off in range(0, max_n, BLOCK_W):
-        o_w = off + tl.arange(0, BLOCK_W)
-        m_w = o_w[None, :] < n_c[:, None]
-        b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
-        n_gt += tl.sum(tl.sum((m_w & (b_key > T)).to(tl.int32), axis=1), axis=0)
-    p_out = pages_ptr + i_r.to(tl.int64) * W
-    n_out = tl.zeros([], tl.int32)
-    n_eq = tl.zeros([], tl.int32)
-    for off in range(0, max_n, BLOCK_W):
-        o_w = off + tl.arange(0, BLOCK_W)
-        m_w = o_w[None, :] < n_c[:, None]
-        b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
-        b_page = tl.load(cp_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=0)
-        m_gt = m_w & (b_key > T)
-        m_eq = m_w & (b_key == T) & (b_key > INT32_MIN)
-        f_eq = tl.reshape(m_eq.to(tl.int32), [NCH_P2 * BLOCK_W])
-        r_eq = tl.reshape(tl.cumsum(f_eq, axis=0), [NCH_P2, BLOCK_W]) - 1 + n_eq
-        m_sel = m_gt | (m_eq & (r_eq < k_row - n_gt))
-        f_sel = tl.reshape(m_sel.to(tl.int32), [NCH_P2 * BLOCK_W])
-        i_out = tl.reshape(tl.cumsum(f_sel, axis=0), [NCH_P2, BLOCK_W]) - 1 + n_out
-        tl.store(p_out + i_out, b_page, mask=m_sel)
-        n_out += tl.sum(f_sel, axis=0)
-        n_eq += tl.sum(f_eq, axis=0)
+            n_gt += tl.sum(tl.sum((m_w & (b_key > T)).to(tl.int32), axis=1), axis=0)
+        n_out = zero
+        n_eq = zero
+        for off in range(0, max_n, BLOCK_W):
+            o_w = off + tl.arange(0, BLOCK_W)
+            m_w = o_w[None, :] < n_c[:, None]
+            b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
+            b_page = tl.load(cp_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=0)
+            n_eq, n_out = _emit(b_key, b_page, m_w, T, k_row, n_gt, n_eq, n_out, p_out, NCH_P2, BLOCK_W)
     tl.store(counts_ptr + i_r, n_out)
 
 
@@ -266,10 +385,10 @@ def select_topk(
     NG = HQ // S
     M = cache.block_table.shape[1]
     k_pages, W = topk_width(M, P, budget, sinks, window)
-    cfg = topk_plan(M, W, NG, D, q.dtype, cache.dtype)
+    dev = q.device
+    cfg = topk_plan(M, W, NG, D, q.dtype, cache.dtype, B * S, num_sms(dev))
     NCH, CH = cfg["NCH"], cfg["CH"]
     smp, smh = meta_strides(cache)
-    dev = q.device
     sl = as_slopes(slopes, HQ, dev)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
     pages = torch.zeros(B, S, W, dtype=torch.int32, device=dev)
@@ -282,6 +401,17 @@ def select_topk(
     else:
         ck = cp = cn = keys
     write_ub = ub is not None
+    all_heads = ALL_HEADS and G == 1
+    if all_heads:
+        kp = keys_plan(B, NCH * CH, H, D, num_sms(dev))
+        _keys_kernel[(B, cdiv(NCH * CH, kp["KCH"]))](
+            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if write_ub else keys,
+            float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
+            M, NCH * CH, int(sinks), int(window), k_pages,
+            H=H, HP=next_pow2(H), P=P, D=D, BLOCK_D=next_pow2(D),
+            BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
+            HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, num_warps=kp["WARPS"],
+        )
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
         keys, ck, cp, cn, ub if write_ub else keys, pages, counts,
@@ -289,17 +419,18 @@ def select_topk(
         HQ, G, M, W, int(sinks), int(window), k_pages,
         S=S, NG=NG, NCH=NCH, P=P, D=D,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
-        HAS_ALIBI=slopes is not None, WRITE_UB=write_ub,
+        HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=4,
+        num_warps=SELECT_WARPS if all_heads else cfg["WARPS"],
     )
     if NCH > 1:
         nch_p2 = next_pow2(NCH)
-        block_w = max(1, min(next_pow2(W), 8192 // nch_p2))
+        one_tile = nch_p2 * next_pow2(W) <= MERGE_REGS
+        block_w = next_pow2(W) if one_tile else max(1, min(next_pow2(W), 8192 // nch_p2))
         _merge_kernel[(B * S,)](
             ids, cache.seq_lens, ck, cp, cn, pages, counts,
             W, int(sinks), int(window), k_pages,
-            NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P,
+            NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
             num_warps=8,
         )
     return Selection(pages, counts)

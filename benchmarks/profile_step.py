@@ -1,0 +1,94 @@
+"""Per-kernel time of one decode step (a script, not a test; GPU only).
+
+For each configuration and method of ``bench_decode.py`` it runs the step
+eagerly under ``torch.profiler`` and prints the mean device time of every
+kernel per step, next to the CUDA-graph replay time of the whole step. It is
+the tool behind the kernel choices recorded in docs/kernels.md.
+
+Usage (on the GPU machine, from the repository root):
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/profile_step.py \
+        --configs paper_128k --methods quest_topk1024,gaussian
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_decode import CONFIGS, METHODS, build, capture, make_step, time_graph
+
+
+def kernel_times(step, iters: int):
+    """{kernel name: mean microseconds per step} from the profiler's device events."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    acc = collections.defaultdict(float)
+    for ev in prof.events():
+        dt = getattr(ev, "device_time", None)
+        if dt is None:
+            dt = getattr(ev, "cuda_time", 0.0)
+        if getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type) and dt:
+            acc[ev.name] += dt
+    return {k: v / iters for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
+
+
+def extra_step(K, meth, cache, ids, q, scale):
+    """Scoring kernels alone ("bounds", "gstats"), to compare with whole steps."""
+    if meth == "bounds":
+        return lambda: (K.quest_bounds(q, cache, ids, scale=scale), None, None)
+    if meth == "gstats":
+        return lambda: (K.gaussian_stats(q, cache, ids, scale=scale)[0], None, None)
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="paper_128k")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="override a knob of entmaxkv.kernels.MODULE, e.g. topk.SELECT_WARPS=8")
+    args = ap.parse_args(argv)
+    import importlib
+
+    from entmaxkv import kernels as K
+
+    for item in args.set:
+        target, value = item.split("=", 1)
+        mod, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(f"entmaxkv.kernels.{mod}"), name, eval(value))  # noqa: S307
+        print(f"# {target} = {value}")
+
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    for cname in args.configs.split(","):
+        cfg = CONFIGS[cname]
+        t0 = time.time()
+        cache, ids, q, k4, v4 = build(cfg)
+        print(f"\n## {cname} {cfg[:5]} built in {time.time() - t0:.1f}s", flush=True)
+        scale = 1.0 / math.sqrt(cfg[4])
+        for meth in args.methods.split(","):
+            try:
+                step = extra_step(K, meth, cache, ids, q, scale) or make_step(K, meth, cache, ids, q, k4, v4, scale)
+                g, _ = capture(step)
+                ms, _ = time_graph(g, flush, 5, 20)
+                kt = kernel_times(step, args.iters)
+            except Exception as exc:  # noqa: BLE001  (keep profiling the other methods)
+                print(f"{meth}: ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            tot = sum(kt.values())
+            print(f"{meth}: graph {ms * 1e3:.1f} us, kernels {tot:.1f} us", flush=True)
+            for name, us in kt.items():
+                print(f"    {us:8.1f} us  {name[:90]}", flush=True)
+        del cache, ids, q, k4, v4
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
