@@ -78,7 +78,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     """Block sizes and split count from shapes only (graph-capturable)."""
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps,
-    # 3 stages; tl.dot path, d 128 bf16: softmax 64 x 4 warps x 5 stages,
+    # 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages,
     # entmax (K only) 32 x 4 warps x 6 stages. Deep pipelines of small tiles
     # win there; the stage count is capped so the buffers stay within
     # ~160 KB of shared memory for any head dim and dtype.
@@ -88,7 +88,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         block_g = max(16, next_pow2(NG))
         block_d = max(16, block_d)
         if softmax:
-            block_t, depth = max(16, min(64, 8192 // block_d)), 5
+            block_t, depth = max(16, min(32, 4096 // block_d)), 6
         else:
             block_t, depth = max(16, min(32, 4096 // block_d)), 6
         warps = 4
@@ -162,6 +162,33 @@ def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr)
 
 
 @triton.jit
+def _compact(cx_ptr, ci_ptr, o_c, b_nc, R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Compact R staged candidate regions in place; returns their lengths [R].
+
+    Region r (at o_c[r]) holds b_nc[r, t] candidates in column t, rows 0, 1, ...
+    Row k is read whole, then written to positions n_<k + prefix < (k + 1) *
+    BLOCK_T, so no store reaches a row not yet read; the barrier orders the
+    read of row k before its own overwrite across threads (stores and loads
+    are by the same program, through L2).
+    """
+    o_t = tl.arange(0, BLOCK_T)
+    b_cnt = tl.zeros([R], tl.int32)
+    tl.debug_barrier()  # the staging stores of every thread are visible
+    for k in range(0, tl.max(tl.max(b_nc, axis=1), axis=0)):
+        m_k = b_nc > k
+        p_src = o_c[:, None] + k * BLOCK_T + o_t[None, :]
+        b_x = tl.load(cx_ptr + p_src, mask=m_k, other=0.0, cache_modifier=".cg")
+        b_i = tl.load(ci_ptr + p_src, mask=m_k, other=0, cache_modifier=".cg")
+        tl.debug_barrier()
+        f_k = m_k.to(tl.int32)
+        p_dst = (o_c + b_cnt)[:, None] + (tl.cumsum(f_k, axis=1) - 1)
+        tl.store(cx_ptr + p_dst, b_x, mask=m_k)
+        tl.store(ci_ptr + p_dst, b_i, mask=m_k)
+        b_cnt += tl.sum(f_k, axis=1)
+    return b_cnt
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ids_ptr, pages_ptr, counts_ptr, slopes_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
@@ -171,7 +198,7 @@ def _split_kernel(
     stride_kp, stride_kh, stride_kr,
     stride_vp, stride_vh, stride_vr,
     stride_bt, stride_pb, stride_ph, stride_cb,
-    HQ, G, W, KROWS,
+    HQ, G, W, CAP,
     S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -185,8 +212,12 @@ def _split_kernel(
     head. Otherwise (one head): "lane-parallel" state, one running max / sum /
     accumulator per token slot of the tile, merged once after the loop, so the
     loop body has no cross-warp reduction (softmax) or a single one (entmax).
-    Entmax candidates of head r, slot t go to column s * BLOCK_T + t, row
-    = that slot's candidate count, of the [KROWS, NSLOT] table of head r.
+    Entmax candidates of head r are staged without any per-tile scan: slot t's
+    j-th candidate goes to row j, column t of the (r, split) region (CAP =
+    rows x BLOCK_T entries at (r * NSPLIT + split) * CAP). After the loop the
+    program compacts its region in place into a list (one prefix sum per
+    *row*, a handful, instead of one per tile) and writes its length to
+    cn[r * NSPLIT + split], so later passes read only real candidates.
     """
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -194,7 +225,6 @@ def _split_kernel(
     i_sh = i_r % S
     h0 = i_sh * NG  # first query head of this selection row
     kvh = h0 // G
-    NSLOT: tl.constexpr = NSPLIT * BLOCK_T
 
     # -- sequence, selected pages and this program's share of them
     seq = tl.load(ids_ptr + i_b).to(tl.int64)
@@ -215,7 +245,6 @@ def _split_kernel(
     o_tt = tl.arange(0, BLOCK_T)
     p_bt = bt_ptr + seq * stride_bt
     p_pages = pages_ptr + i_b.to(tl.int64) * stride_pb + i_sh * stride_ph
-    o_col = i_s * BLOCK_T + o_tt  # candidate columns of this program
     if USE_DOT:
         p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g)[:, None] * stride_qh + o_d[None, :]
         b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
@@ -229,7 +258,7 @@ def _split_kernel(
             b_lb = tl.full([BLOCK_G], float("-inf"), tl.float32)
             b_top = tl.full([BLOCK_G, BLOCK_T], float("-inf"), tl.float32)
             b_nc = tl.zeros([BLOCK_G, BLOCK_T], tl.int32)
-            o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * KROWS * NSLOT)[:, None] + o_col[None, :]
+            o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s) * CAP
     else:
         b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + h0 * stride_qh + o_d, mask=m_d, other=0.0)
         b_q = b_q.to(tl.float32)
@@ -243,7 +272,7 @@ def _split_kernel(
             b_lb = tl.full([1], float("-inf"), tl.float32)
             b_top = tl.full([BLOCK_T], float("-inf"), tl.float32)
             b_nc = tl.zeros([BLOCK_T], tl.int32)
-            o_c = (i_b * HQ + h0).to(tl.int64) * KROWS * NSLOT + o_col
+            o_c = ((i_b * HQ + h0).to(tl.int64) * NSPLIT + i_s) * CAP + tl.zeros([1], tl.int64)
 
     for t0 in range(t_lo, t_hi, BLOCK_T):
         # -- token slots -> logical page -> physical page (through the block table)
@@ -283,7 +312,7 @@ def _split_kernel(
                 b_top = tl.maximum(b_top, b_x)
                 b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
                 m_c = b_x > b_lb[:, None]  # only these can be in the support
-                p_c = o_c + b_nc.to(tl.int64) * NSLOT
+                p_c = o_c[:, None] + b_nc.to(tl.int64) * BLOCK_T + o_tt[None, :]
                 tl.store(cx_ptr + p_c, b_x, mask=m_c)
                 b_tok = (phys * P + i_row).to(tl.int32)
                 tl.store(ci_ptr + p_c, tl.broadcast_to(b_tok[None, :], [BLOCK_G, BLOCK_T]), mask=m_c)
@@ -309,7 +338,7 @@ def _split_kernel(
                 b_top = tl.maximum(b_top, b_x)  # as in the tl.dot branch
                 b_lb = _lb_update(b_top[None, :], b_lb, beta, BETA_KIND, NEWTON)
                 m_c = b_x > b_lb
-                p_c = o_c + b_nc.to(tl.int64) * NSLOT
+                p_c = o_c + b_nc.to(tl.int64) * BLOCK_T + o_tt
                 tl.store(cx_ptr + p_c, b_x, mask=m_c)
                 tl.store(ci_ptr + p_c, (phys * P + i_row).to(tl.int32), mask=m_c)
                 b_nc += m_c.to(tl.int32)
@@ -330,56 +359,53 @@ def _split_kernel(
         # the split's max and a last lb update (a tighter start for the solve)
         if USE_DOT:
             b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
-            o_n = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSLOT)[:, None] + o_col[None, :]
-            tl.store(cn_ptr + o_n, b_nc, mask=m_g[:, None])
+            b_cnt = _compact(cx_ptr, ci_ptr, o_c, b_nc, BLOCK_G, BLOCK_T)
+            tl.store(cn_ptr + o_r, b_cnt, mask=m_g)
             tl.store(clb_ptr + o_r, b_lb, mask=m_g)
             tl.store(cm_ptr + o_r, tl.max(b_top, axis=1), mask=m_g)
         else:
             b_lb = _lb_update(b_top[None, :], b_lb, beta, BETA_KIND, NEWTON)
-            tl.store(cn_ptr + (i_b * HQ + h0).to(tl.int64) * NSLOT + o_col, b_nc)
+            b_cnt = _compact(cx_ptr, ci_ptr, o_c, b_nc[None, :], 1, BLOCK_T)
+            tl.store(cn_ptr + o_r, b_cnt, mask=m_g)
             tl.store(clb_ptr + o_r, b_lb, mask=m_g)
             tl.store(cm_ptr + o_r, tl.max(b_top[None, :], axis=1), mask=m_g)
 
 
 @triton.jit
-def _cand_sums(p_x, p_n, tau, mshift, beta,
-               NSLOT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
+               NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
                BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
-    """Sums over the candidates x > tau of one head ([KROWS, NSLOT] table, column
-    j holding p_n[j] entries).
+    """Sums over the candidates x > tau of one head: NSPLIT lists of CAP
+    entries at p_x, n_s [NS_P2] entries in use (max_n = their max).
 
     ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x, max x <= tau)
     over x > tau, for the closed forms; ORDER 2: (f, f', f'', -, -) of
     f = sum [x - tau]_+^beta - 1.
     """
-    a0 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
-    a1 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
-    a2 = tl.zeros([BLOCK_K, BLOCK_S], tl.float32)
-    a3 = tl.full([BLOCK_K, BLOCK_S], float("inf"), tl.float32)
-    a4 = tl.full([BLOCK_K, BLOCK_S], float("-inf"), tl.float32)
-    for j0 in range(0, NSLOT, BLOCK_S):
-        o_j = j0 + tl.arange(0, BLOCK_S)
-        n_j = tl.load(p_n + o_j, mask=o_j < NSLOT, other=0)
-        k_hi = tl.max(n_j, axis=0)
-        for k0 in range(0, k_hi, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_j = o_k[:, None] < n_j[None, :]
-            b_x = tl.load(p_x + o_k[:, None].to(tl.int64) * NSLOT + o_j[None, :], mask=m_j,
-                          other=float("-inf"))
-            on = b_x > tau
-            if ORDER == 0:
-                d = tl.where(on, b_x - mshift, 0.0)
-                a0 += on.to(tl.float32)
-                a1 += d
-                a2 += d * d
-                a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
-                a4 = tl.maximum(a4, tl.where(on, float("-inf"), b_x))
-            else:
-                b_u = tl.where(on, b_x - tau, 0.0)
-                u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-                a0 += u0
-                a1 += u1
-                a2 += tl.where(on, u1 / tl.where(on, b_u, 1.0), 0.0)
+    o_s = tl.arange(0, NS_P2)
+    a0 = tl.zeros([NS_P2, BLOCK_K], tl.float32)
+    a1 = tl.zeros([NS_P2, BLOCK_K], tl.float32)
+    a2 = tl.zeros([NS_P2, BLOCK_K], tl.float32)
+    a3 = tl.full([NS_P2, BLOCK_K], float("inf"), tl.float32)
+    a4 = tl.full([NS_P2, BLOCK_K], float("-inf"), tl.float32)
+    for k0 in range(0, max_n, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k[None, :] < n_s[:, None]
+        b_x = tl.load(p_x + (o_s.to(tl.int64) * CAP)[:, None] + o_k[None, :], mask=m_k, other=float("-inf"))
+        on = b_x > tau
+        if ORDER == 0:
+            d = tl.where(on, b_x - mshift, 0.0)
+            a0 += on.to(tl.float32)
+            a1 += d
+            a2 += d * d
+            a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
+            a4 = tl.maximum(a4, tl.where(on, float("-inf"), b_x))
+        else:
+            b_u = tl.where(on, b_x - tau, 0.0)
+            u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+            a0 += u0
+            a1 += u1
+            a2 += tl.where(on, u1 / tl.where(on, b_u, 1.0), 0.0)
     r0 = tl.sum(tl.sum(a0, axis=1), axis=0)
     r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
     r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
@@ -395,9 +421,8 @@ def _cand_sums(p_x, p_n, tau, mshift, beta,
 @triton.jit
 def _solve_kernel(
     cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
-    alpha, beta, KROWS,
-    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, NSLOT: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    alpha, beta, CAP,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
 ):
@@ -407,12 +432,10 @@ def _solve_kernel(
     m_s = o_s < NSPLIT
     lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
     m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    p_n = cn_ptr + i_r * NSLOT
-    p_x = cx_ptr + i_r * KROWS * NSLOT
-    total = tl.zeros([], tl.int32)
-    for j0 in range(0, NSLOT, BLOCK_S):
-        o_j = j0 + tl.arange(0, BLOCK_S)
-        total += tl.sum(tl.load(p_n + o_j, mask=o_j < NSLOT, other=0), axis=0)
+    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
+    max_n = tl.max(n_s, axis=0)
+    p_x = cx_ptr + i_r * NSPLIT * CAP
+    total = tl.sum(n_s, axis=0)
     empty = total == 0
     m = tl.where(empty, 0.0, m)
 
@@ -429,7 +452,7 @@ def _solve_kernel(
         it = tl.full([], 0, tl.int32)
         go = tl.full([], 1, tl.int32)
         while (go != 0) & (it < NEWTON_CAP):
-            k, s1, s2, mn, mx_off = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 0)
+            k, s1, s2, mn, mx_off = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 0)
             kk = tl.maximum(k, 1.0)
             dt = tau - m
             # (tau >= lo, so a closed form rounding below lo is taken as lo)
@@ -447,7 +470,7 @@ def _solve_kernel(
             # exact iff the support of tc is the support it was computed on:
             # every counted x above tc, every other x at or below it (also
             # when rounding puts tc a hair below tau)
-            exact = (mn > tc) & (mx_off <= tc) & (k > 0)
+            exact = (mn > tc) & (mx_off <= tc) & (k > 0) & (tc > float("-inf"))
             tau = tl.where(exact, tc, tl.maximum(t_next, tau))
             go = tl.where(exact | (k == 0), 0, 1)
             it += 1
@@ -459,7 +482,7 @@ def _solve_kernel(
         else:
             tau = lo
         for _ in range(HALLEY):
-            f, d1, d2, _mn, _mx = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
+            f, d1, d2, _mn, _mx = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2)
             above = f > 0
             lo = tl.where(above, tau, lo)
             hi = tl.where(above, hi, tau)
@@ -472,7 +495,7 @@ def _solve_kernel(
             ok = (cand >= lo) & (cand <= hi) & (d1 != 0)
             tau = tl.where(ok, cand, 0.5 * (lo + hi))
         for _ in range(POLISH):
-            f, d1, d2, _mn, _mx = _cand_sums(p_x, p_n, tau, m, beta, NSLOT, BLOCK_S, BLOCK_K, BETA_KIND, 2)
+            f, d1, d2, _mn, _mx = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2)
             step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
             tau = tl.minimum(tl.maximum(tau + step, lo), hi)
     tau = tl.where(empty, float("inf"), tau)
@@ -482,38 +505,34 @@ def _solve_kernel(
 @triton.jit
 def _vacc_kernel(
     v_ptr, cx_ptr, ci_ptr, cn_ptr, tau_ptr, pacc_ptr,
-    beta, KROWS,
+    beta, CAP,
     stride_vp, stride_vh, stride_vr,
     HQ, G,
-    NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-    P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    NSPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr,
 ):
-    """p = [x - tau]_+^beta over one split's candidates of one query head; V
-    rows only where p > 0. One program per (query head, split): the chain of
-    dependent loads (candidate -> V row) is short, heads run in parallel."""
+    """p = [x - tau]_+^beta over the candidate list of one (query head, split);
+    V rows are gathered only where p > 0 (usually one short block per list)."""
     i_h = tl.program_id(0)  # b * HQ + query head
     i_s = tl.program_id(1)
     kvh = (i_h % HQ) // G
-    NSLOT: tl.constexpr = NSPLIT * BLOCK_T
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     r = i_h.to(tl.int64)
     tau = tl.load(tau_ptr + r)
+    n = tl.load(cn_ptr + r * NSPLIT + i_s)
+    p_l = (r * NSPLIT + i_s) * CAP
     b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
-    for c0 in range(0, BLOCK_T, BLOCK_C):
-        o_j = i_s * BLOCK_T + c0 + tl.arange(0, BLOCK_C)
-        n_j = tl.load(cn_ptr + r * NSLOT + o_j)
-        for k in range(0, tl.max(n_j, axis=0)):
-            m_j = k < n_j
-            o_x = (r * KROWS + k) * NSLOT + o_j
-            b_x = tl.load(cx_ptr + o_x, mask=m_j, other=float("-inf"))
-            b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
-            m_p = m_j & (b_p > 0)
-            b_tok = tl.load(ci_ptr + o_x, mask=m_j, other=0)
-            o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
-            b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
-            b_acc += tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
+    for c0 in range(0, n, BLOCK_C):
+        o_j = c0 + tl.arange(0, BLOCK_C)
+        m_j = o_j < n
+        b_x = tl.load(cx_ptr + p_l + o_j, mask=m_j, other=float("-inf"))
+        b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+        m_p = m_j & (b_p > 0)
+        b_tok = tl.load(ci_ptr + p_l + o_j, mask=m_p, other=0)
+        o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
+        b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+        b_acc += tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
     tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, tl.sum(b_acc, axis=0), mask=m_d)
 
 
@@ -582,7 +601,6 @@ def _run(
     cfg = _plan(B, S, NG, D, W, P, dev, softmax, cache.k_pages.element_size())
     NSPLIT, BLOCK_T = cfg["NSPLIT"], cfg["BLOCK_T"]
     NS_P2 = next_pow2(NSPLIT)
-    NSLOT = NSPLIT * BLOCK_T
     dot_f32, prec = dot_flags(cache.dtype)
     if qk.dtype != cache.dtype:
         dot_f32, prec = True, "ieee"
@@ -598,17 +616,18 @@ def _run(
     pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev)
     beta = 1.0 / (alpha - 1.0) if not softmax else 1.0
     bk = beta_kind(alpha)
-    KROWS = 1
+    CAP = 1
     if softmax:
         pm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pl = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         cx = ci = cn = clb = cm = pm  # unused
     else:
-        # candidate table per head: [KROWS, NSLOT], column = (split, slot)
-        KROWS = cdiv(cdiv(W, NSPLIT) * P, BLOCK_T)
-        cx = torch.empty(R * KROWS * NSLOT, dtype=f32, device=dev)
-        ci = torch.empty(R * KROWS * NSLOT, dtype=torch.int32, device=dev)
-        cn = torch.empty(R, NSLOT, dtype=torch.int32, device=dev)
+        # one candidate list per (query head, split), room for all its tokens
+        # (staged as rows of BLOCK_T slots, then compacted in place)
+        CAP = cdiv(cdiv(W, NSPLIT) * P, BLOCK_T) * BLOCK_T
+        cx = torch.empty(R * NSPLIT * CAP, dtype=f32, device=dev)
+        ci = torch.empty(R * NSPLIT * CAP, dtype=torch.int32, device=dev)
+        cn = torch.empty(R, NSPLIT, dtype=torch.int32, device=dev)
         clb = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
@@ -622,7 +641,7 @@ def _run(
         qk.stride(0), qk.stride(1),
         skp, skh, skr, svp, svh, svr,
         cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
-        HQ, G, W, KROWS,
+        HQ, G, W, CAP,
         S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
@@ -631,13 +650,12 @@ def _run(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not softmax:
-        block_s = min(next_pow2(NSLOT), 2048)
-        block_k = max(1, min(4, 4096 // block_s))
+        block_k = max(4, 2048 // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
         tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
         _solve_kernel[(R,)](
             cx, cn, clb, cm, tinit, tau,
-            float(alpha), float(beta), KROWS,
-            NSPLIT=NSPLIT, NS_P2=NS_P2, NSLOT=NSLOT, BLOCK_S=block_s, BLOCK_K=block_k,
+            float(alpha), float(beta), CAP,
+            NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
             BETA_KIND=bk, HAS_INIT=tau_init is not None,
             HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
             num_warps=8,
@@ -647,12 +665,12 @@ def _run(
         block_d = next_pow2(D)
         _vacc_kernel[(R, NSPLIT)](
             cache.v_pages, cx, ci, cn, tau, pacc,
-            float(beta), KROWS,
+            float(beta), CAP,
             svp, svh, svr,
             HQ, G,
-            NSPLIT=NSPLIT, BLOCK_T=BLOCK_T, P=P, D=D, BLOCK_D=block_d,
-            BLOCK_C=max(1, min(BLOCK_T, 8192 // block_d)), BETA_KIND=bk,
-            num_warps=4 if block_d <= 64 else 8,
+            NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
+            BLOCK_C=max(16, min(128, 8192 // block_d)), BETA_KIND=bk,
+            num_warps=4,
         )
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
     _combine_kernel[(R,)](
