@@ -79,7 +79,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps,
     # 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages,
-    # entmax (K only) 32 x 4 warps x 6 stages. Deep pipelines of small tiles
+    # entmax (K only) 128 x 4 warps x 4 stages. Deep pipelines of small tiles
     # win there; the stage count is capped so the buffers stay within
     # ~160 KB of shared memory for any head dim and dtype.
     use_dot = NG >= 2
@@ -90,7 +90,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         if softmax:
             block_t, depth = max(16, min(32, 4096 // block_d)), 6
         else:
-            block_t, depth = max(16, min(32, 4096 // block_d)), 6
+            block_t, depth = max(16, min(128, 16384 // block_d)), 4
         warps = 4
         stage_bytes = block_t * block_d * itemsize * (2 if softmax else 1)
         stages = max(2, min(depth, (160 * 1024) // stage_bytes))
@@ -157,6 +157,20 @@ def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr)
         u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
         f = tl.sum(u0, axis=1) - 1.0
         fp = beta * tl.sum(u1, axis=1)
+        b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+    return tl.maximum(b_lb, b_t)
+
+
+@triton.jit
+def _lb_update_1d(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr):
+    """_lb_update for one head (b_top [T], scalar b_lb): the same step with
+    1-D reductions (a [1, T] view measured 2x slower: layout conversions)."""
+    b_t = tl.maximum(b_lb, tl.max(b_top, axis=0) - 1.0)
+    for _ in tl.static_range(NEWTON):
+        b_u = tl.where(b_top > b_t, b_top - b_t, 0.0)
+        u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+        f = tl.sum(u0, axis=0) - 1.0
+        fp = beta * tl.sum(u1, axis=0)
         b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
     return tl.maximum(b_lb, b_t)
 
@@ -269,10 +283,10 @@ def _split_kernel(
             b_l = tl.zeros([BLOCK_T], tl.float32)
             b_acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         else:
-            b_lb = tl.full([1], float("-inf"), tl.float32)
+            b_lb = tl.full([], float("-inf"), tl.float32)
             b_top = tl.full([BLOCK_T], float("-inf"), tl.float32)
             b_nc = tl.zeros([BLOCK_T], tl.int32)
-            o_c = ((i_b * HQ + h0).to(tl.int64) * NSPLIT + i_s) * CAP + tl.zeros([1], tl.int64)
+            o_c = ((i_b * HQ + h0).to(tl.int64) * NSPLIT + i_s) * CAP
 
     for t0 in range(t_lo, t_hi, BLOCK_T):
         # -- token slots -> logical page -> physical page (through the block table)
@@ -336,7 +350,7 @@ def _split_kernel(
             else:
                 b_x = b_s * am1
                 b_top = tl.maximum(b_top, b_x)  # as in the tl.dot branch
-                b_lb = _lb_update(b_top[None, :], b_lb, beta, BETA_KIND, NEWTON)
+                b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
                 m_c = b_x > b_lb
                 p_c = o_c + b_nc.to(tl.int64) * BLOCK_T + o_tt
                 tl.store(cx_ptr + p_c, b_x, mask=m_c)
@@ -364,11 +378,11 @@ def _split_kernel(
             tl.store(clb_ptr + o_r, b_lb, mask=m_g)
             tl.store(cm_ptr + o_r, tl.max(b_top, axis=1), mask=m_g)
         else:
-            b_lb = _lb_update(b_top[None, :], b_lb, beta, BETA_KIND, NEWTON)
-            b_cnt = _compact(cx_ptr, ci_ptr, o_c, b_nc[None, :], 1, BLOCK_T)
+            b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
+            b_cnt = _compact(cx_ptr, ci_ptr, o_c + tl.zeros([1], tl.int64), b_nc[None, :], 1, BLOCK_T)
             tl.store(cn_ptr + o_r, b_cnt, mask=m_g)
-            tl.store(clb_ptr + o_r, b_lb, mask=m_g)
-            tl.store(cm_ptr + o_r, tl.max(b_top[None, :], axis=1), mask=m_g)
+            tl.store(clb_ptr + o_r, b_lb[None], mask=m_g)
+            tl.store(cm_ptr + o_r, tl.max(b_top, axis=0)[None], mask=m_g)
 
 
 @triton.jit

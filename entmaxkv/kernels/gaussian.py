@@ -14,15 +14,34 @@ selection row, z_n = Phi^{-1}(q_max^(1/n)).
 Launches (no host synchronisation, fixed count):
 1. ``_stats_kernel`` (B*H x NCH): mu, sigma of every page and head (one read
    of k_mean / k_std) plus per-chunk partials: token-weighted sums for the
-   pooled Gaussian and the maxima that bracket tau_hat.
+   pooled Gaussian (shifted sums, accumulated per lane, one reduction per
+   program) and the maxima that bracket tau_hat.
 2. ``_iter_kernel`` x NIT (B*HQ x NCH): safeguarded Halley on log(F + 1)
-   from the bracket's left end, one launch per iteration. Every program of a head rebuilds the same iterate from the
-   previous launch's partial sums (deterministic: same data, same order),
-   then writes its chunk's F, F', F'' at the new iterate. Skipped when pooled.
+   from the bracket's left end, one launch per iteration. Every program of a
+   head rebuilds the same float64 iterate from the previous launch's partial
+   sums (deterministic: same data, same order), then writes its chunk's F, F',
+   F'' at the new iterate. Skipped when pooled.
 3. ``_select_kernel`` (B*S x NCH): final iterate, threshold test, forced
    pages, compaction with one atomic per chunk (pages unsorted).
+
+Precision of the per-page terms (launch 2, the hot loop: NIT x B*HQ*M pages).
+They are float32, summed per lane in float32 over at most CH / BLOCK pages,
+then across lanes and chunks in float64; the iterate and its bracket are
+float64. tau_hat sits deep in the lower tail at long context (x = -mu_Y / s_Y
+of 4-7 for most pages), where the textbook closed forms in Phi(t), phi(t)
+cancel (relative error ~x^(k+1) eps) and (1 + erf) / 2 has no relative
+accuracy: a plain float32 port is 6e-7 .. 1e-5 (relative) off in tau_hat,
+which is why these were float64 (compute-bound: transcendentals in float64).
+``_gauss_terms`` instead writes every moment as products and sums of positive
+terms (``_mills``: a rational fit of the ratio E[(Z-x)+^3] / E[(Z-x)+^2] and
+a backward recurrence, one exp and two divisions per page), relative error
+about 5e-7 + 1e-7 x^2 against float64 (tests/test_gaussian_kernel.py); tau_hat is
+then within one float32 ulp of the float64 solve on the same page statistics.
+The pooled solve (scalar) uses the same formulas in float64.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 import triton
@@ -78,40 +97,100 @@ def z_table(q_max: float, P: int, device) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
+# _mills fits rho_3(x) = E[(Z - x)_+^3] / E[(Z - x)_+^2] ~= p(x) / q(x) on
+# [0, _XMAX]: minimax rational fit of degree (4, 5) against 80-digit values,
+# relative error 1.1e-8 (float32 coefficient rounding and Horner add a few 1e-7).
+# Every coefficient is positive, so Horner cannot cancel; p / q -> 3 / x like rho_3.
+_XMAX = tl.constexpr(14.5)  # phi(14.5) = 1.3e-46: beyond it the float32 terms are exactly 0
+# float32 a / b as div.approx.f32 (rcp + mul, <= 2 ulp for |b| in [2^-126, 2^126],
+# the same bound as the default div.full.f32 without its range fix-ups) where
+# this Triton has it; both divisors here stay inside that range.
+_APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).parameters)
+
+
 @triton.jit
-def _gauss_terms(mu_y, sig_y, BETA_KIND: tl.constexpr):
-    """Truncated moments of Y ~ N(mu_y, sig_y^2), in float64.
+def _div(a, b, F64: tl.constexpr):
+    if F64 or not _APPROX_DIV:
+        return a / b
+    else:
+        return tl.math.fdiv(a, b, approx=True)
+
+
+@triton.jit
+def _mills(x, F64: tl.constexpr):
+    """g_k(x) = E[(Z - x)_+^k] / phi(x) for k = 0..3 and 0 <= x <= _XMAX (x's dtype).
+
+    From the fitted ratio rho_3 = g_3 / g_2 the backward recurrence
+    g_(k-2) = (g_k + x g_(k-1)) / (k - 1) (integration by parts) gives the rest
+    as sums of positive terms over one common denominator: no cancellation, one
+    division, and an error in rho_3 is damped on the way down (never amplified).
+    """
+    p = (((0.0021099732546354362 * x + 0.028989846763116903) * x + 0.19598963083019613) * x
+         + 0.7469297506737255) * x + 1.5957691382854409
+    q = ((((0.0007032396406077254 * x + 0.009668694155750748) * x + 0.06799103124200852) * x
+          + 0.2901329361698832) * x + 0.7522713601796289) * x + 1.0
+    # (g_0, g_1, g_2, g_3) = (b2, b3, 2 q, 2 p) / b1, every b a sum of positive terms
+    b3 = x * q + p
+    b2 = x * b3 + 2.0 * q
+    b1 = x * b2 + b3
+    inv = _div(1.0, b1, F64)  # b1 in [1.59, 3.7e6]
+    return b2 * inv, b3 * inv, 2.0 * q * inv, 2.0 * p * inv
+
+
+@triton.jit
+def _gauss_terms(mu_y, sig_y, BETA_KIND: tl.constexpr, F64: tl.constexpr):
+    """Truncated moments of Y ~ N(mu_y, sig_y^2), in float32 (float64 with F64).
 
     Returns e_b = E[Y+^beta], e_b1 = E[Y+^(beta-1)] and e_b2 = d^2/dtau^2 E[Y+^beta]
     (BETA_KIND 1/2/3: beta = 1/2/3), so F = sum w e_b, F' = -beta sum w e_b1,
-    F'' = sum w e_b2. sig_y = 0 is the point mass. float64 because the closed
-    forms cancel badly in the tail (t << 0), where tau_hat lives at long context.
+    F'' = sum w e_b2. sig_y <= 1e-30 is the point mass.
+
+    Numerically stable in the tail, where tau_hat sits at long context (there
+    the textbook closed forms in Phi(t), phi(t) cancel, error ~x^(k+1) eps, and
+    Phi = (1 + erf) / 2 has no relative accuracy left). With t = mu / s and
+    x = |t|, the tail moments h_k = s^k phi(x) g_k(x) (``_mills``) are
+    products of positive factors: E[Y+^k] for mu <= 0, E[Y-^k] for mu > 0.
+    For mu > 0, E[Y+^k] = E[Y^k] - (-1)^k E[Y-^k]: 1 - h_0, mu + h_1,
+    mu^2 + s^2 - h_2 (h_2 <= s^2 / 2 there), mu^3 + 3 mu s^2 + h_3, again free of
+    cancellation.
+
+    float32: relative error about 5e-7 + 1e-7 x^2 against float64 (measured
+    8.1e-7 for x <= 3, 2.8e-6 for x <= 6, 9.4e-6 at x = 12; the x^2 part is the
+    conditioning of phi in x = |mu| / s, the size of rounding mu to float32);
+    exactly 0, never NaN, past x = 14.5. float64: 1.1e-8 (the fit); past
+    x = 14.5 the terms (< 1.3e-46 s^k) are only approximate.
     """
-    mu_y = mu_y.to(tl.float64)
-    sig_y = sig_y.to(tl.float64)
-    point = sig_y <= 0.0
-    s = tl.where(point, 1.0, sig_y)
-    t = mu_y / s
-    cdf = tl.where(point, (mu_y > 0).to(tl.float64), 0.5 * (1.0 + tl.erf(t * 0.7071067811865476)))
-    pdf = tl.where(point, 0.0, 0.3989422804014327 * tl.exp(-0.5 * t * t))
-    sg = tl.where(point, 0.0, sig_y)
-    e1 = mu_y * cdf + sg * pdf
-    e1 = tl.where(point, tl.maximum(mu_y, 0.0), e1)
-    if BETA_KIND == 1:
-        e_b = e1
-        e_b1 = cdf
-        e_b2 = tl.where(point, 0.0, pdf / s)
+    if F64:
+        m = mu_y.to(tl.float64)
+        s = sig_y.to(tl.float64)
     else:
-        e2 = (mu_y * mu_y + sg * sg) * cdf + mu_y * sg * pdf
-        e2 = tl.where(point, e1 * e1, e2)
+        m = mu_y.to(tl.float32)
+        s = sig_y.to(tl.float32)
+    # the point mass as x = inf: phi = 0, h_k = 0 and the mu > 0 forms reduce
+    # to 1{mu > 0}, mu, mu^2, mu^3 (s^2 <= 1e-60 vanishes next to mu^2)
+    point = s <= 1e-30
+    s1 = tl.where(point, 1.0, s)
+    x = tl.where(point, float("inf"), _div(tl.abs(m), s1, F64))  # s1 in [1e-30, ...]
+    phi = 0.3989422804014327 * tl.exp2(x * (x * -0.7213475204444817))  # -log2(e) / 2
+    g0, g1, g2, g3 = _mills(tl.minimum(x, _XMAX), F64)
+    pos = m > 0
+    sp = s * phi
+    e1 = tl.where(pos, m, 0.0) + sp * g1
+    if BETA_KIND == 1:
+        h0 = phi * g0
+        e_b = e1
+        e_b1 = tl.where(pos, 1.0 - h0, h0)
+        e_b2 = _div(phi, s1, F64)  # the density of Y at 0
+    else:
+        h2 = s * sp * g2
+        e2 = tl.where(pos, m * m + s * s - h2, h2)
         if BETA_KIND == 2:
+            h0 = phi * g0
             e_b = e2
             e_b1 = e1
-            e_b2 = 2.0 * cdf
+            e_b2 = 2.0 * tl.where(pos, 1.0 - h0, h0)
         else:
-            e3 = (mu_y * mu_y * mu_y + 3.0 * mu_y * sg * sg) * cdf + sg * (mu_y * mu_y + 2.0 * sg * sg) * pdf
-            e3 = tl.where(point, e1 * e1 * e1, e3)
-            e_b = e3
+            e_b = tl.where(pos, m * (m * m + 3.0 * s * s), 0.0) + s * s * sp * g3
             e_b1 = e2
             e_b2 = 6.0 * e1
     return e_b, e_b1, e_b2
@@ -155,7 +234,7 @@ def _pooled_tau(sw, mn, sq, am1, beta, ITERS: tl.constexpr, BETA_KIND: tl.conste
     hi = tl.maximum(am1 * (mu_g + 12.0 * sig_g), lo + 1.0)
     tau = lo
     for _ in range(ITERS):
-        e_b, e_b1, e_b2 = _gauss_terms(am1 * mu_g - tau, am1 * sig_g, BETA_KIND)
+        e_b, e_b1, e_b2 = _gauss_terms(am1 * mu_g - tau, am1 * sig_g, BETA_KIND, True)
         tau, lo, hi = _halley_update(n_g * e_b, -beta * n_g * e_b1, n_g * e_b2, tau, lo, hi)
     return tau
 
@@ -163,6 +242,22 @@ def _pooled_tau(sw, mn, sq, am1, beta, ITERS: tl.constexpr, BETA_KIND: tl.conste
 # ---------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _stats_block(b_q, b_sl, bt_ptr, kmean_ptr, kstd_ptr, mu_ptr, sg_ptr, seq, n, o_m, o_row, m_g, kvh, scale,
+                 stride_mp, stride_mh, M,
+                 P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """mu, sigma [BLOCK_G, BLOCK_M] of pages o_m (stored), their token counts
+    (float32 [BLOCK_M], 0 on invalid pages) and the valid mask."""
+    phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
+    b_mu, b_sig = page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, n - 1, kvh, scale,
+                             stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+    o_out = o_row[:, None] * M + o_m[None, :]
+    tl.store(mu_ptr + o_out, b_mu, mask=m_g[:, None] & (o_m < M)[None, :])
+    tl.store(sg_ptr + o_out, b_sig, mask=m_g[:, None] & (o_m < M)[None, :])
+    return b_mu, b_sig, n_tok.to(tl.float32), m_v[None, :] & m_g[:, None]
 
 
 @triton.jit
@@ -187,42 +282,42 @@ def _stats_kernel(
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < G
     o_row = (i_b * HQ + h0 + o_g).to(tl.int64)
-    # token-weighted (count, mean, M2) of the page mixture, merged block by block
-    # with Chan's formula (no E[x^2] - E[x]^2 cancellation under ALiBi offsets)
-    c_w = tl.zeros([BLOCK_G], tl.float32)
-    c_mn = tl.zeros([BLOCK_G], tl.float32)
-    c_q = tl.zeros([BLOCK_G], tl.float32)
+    # Token-weighted (count, mean, M2) of the chunk's page mixture from sums
+    # shifted by the first sub-block's mean k, accumulated per lane and reduced
+    # once per program (no cross-warp reduction or merge inside the loop). With
+    # k inside the chunk's range, M2 = S2 - S1^2 / W loses only a few ulps: no
+    # E[x^2] - E[x]^2 cancellation under ALiBi offsets or a common score offset.
+    k = tl.zeros([BLOCK_G], tl.float32)
+    s_w = tl.zeros([BLOCK_M], tl.float32)
+    s_1 = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
+    s_2 = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
     a_lo = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
     a_hi = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
     for j in range(NSUB):
         o_m = i_c * (NSUB * BLOCK_M) + j * BLOCK_M + tl.arange(0, BLOCK_M)
-        phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
-        b_mu, b_sig = page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, n - 1, kvh, scale,
-                                 stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
-        m_out = m_g[:, None] & (o_m < M)[None, :]
-        o_out = o_row[:, None] * M + o_m[None, :]
-        tl.store(mu_ptr + o_out, b_mu, mask=m_out)
-        tl.store(sg_ptr + o_out, b_sig, mask=m_out)
-        w = n_tok.to(tl.float32)[None, :] + tl.zeros_like(b_mu)
-        w_b = tl.sum(w, axis=1)
-        mn_b = tl.sum(w * b_mu, axis=1) / tl.maximum(w_b, 1.0)
-        dev = b_mu - mn_b[:, None]
-        q_b = tl.sum(w * (dev * dev + b_sig * b_sig), axis=1)
-        w_n = c_w + w_b
-        delta = mn_b - c_mn
-        ratio = w_b / tl.maximum(w_n, 1.0)
-        c_q = c_q + q_b + delta * delta * c_w * ratio
-        c_mn = c_mn + delta * ratio
-        c_w = w_n
-        m_ok = m_v[None, :] & m_g[:, None]
-        a_lo = tl.maximum(a_lo, tl.where(m_ok, am1 * b_mu, float("-inf")))
-        a_hi = tl.maximum(a_hi, tl.where(m_ok, am1 * (b_mu + 12.0 * b_sig), float("-inf")))
+        b_mu, b_sig, w, m_ok = _stats_block(b_q, b_sl, bt_ptr, kmean_ptr, kstd_ptr, mu_ptr, sg_ptr, seq, n,
+                                            o_m, o_row, m_g, kvh, scale, stride_mp, stride_mh, M,
+                                            P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+        if j == 0:
+            k = tl.sum(w[None, :] * b_mu, axis=1) / tl.maximum(tl.sum(w, axis=0), 1.0)
+        dev = b_mu - k[:, None]
+        s_w += w
+        s_1 += w[None, :] * dev
+        s_2 += w[None, :] * (dev * dev + b_sig * b_sig)
+        a_lo = tl.maximum(a_lo, tl.where(m_ok, b_mu, float("-inf")))
+        a_hi = tl.maximum(a_hi, tl.where(m_ok, b_mu + 12.0 * b_sig, float("-inf")))
+    c_w = tl.sum(s_w, axis=0)
+    c_1 = tl.sum(s_1, axis=1)
+    mean_d = c_1 / tl.maximum(c_w, 1.0)
+    c_q = tl.maximum(tl.sum(s_2, axis=1) - c_1 * mean_d, 0.0)
+    m_lo = tl.max(a_lo, axis=1)
+    m_hi = tl.max(a_hi, axis=1)
     o_st = (o_row * NCH + i_c) * 5
-    tl.store(st_ptr + o_st + 0, c_w, mask=m_g)
-    tl.store(st_ptr + o_st + 1, c_mn, mask=m_g)
+    tl.store(st_ptr + o_st + 0, c_w + tl.zeros([BLOCK_G], tl.float32), mask=m_g)
+    tl.store(st_ptr + o_st + 1, k + mean_d, mask=m_g)
     tl.store(st_ptr + o_st + 2, c_q, mask=m_g)
-    tl.store(st_ptr + o_st + 3, tl.max(a_lo, axis=1), mask=m_g)
-    tl.store(st_ptr + o_st + 4, tl.max(a_hi, axis=1), mask=m_g)
+    tl.store(st_ptr + o_st + 3, am1 * m_lo, mask=m_g)
+    tl.store(st_ptr + o_st + 4, am1 * m_hi, mask=m_g)
 
 
 @triton.jit
@@ -284,23 +379,34 @@ def _iter_kernel(
         tl.store(p_s + 2, tau)
     seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
     n = tl.load(lens_ptr + seq)
-    a0 = tl.zeros([BLOCK], tl.float64)
-    a1 = tl.zeros([BLOCK], tl.float64)
-    a2 = tl.zeros([BLOCK], tl.float64)
+    # Y_p = am1 S_p - tau in float32: am1 (mu_p - c), c = tau / am1 split as
+    # c_hi + c_lo, so mu_y carries a relative (not |tau|-sized) rounding error.
+    c = tau / am1
+    c_hi = c.to(tl.float32)
+    c_lo = (c - c_hi.to(tl.float64)).to(tl.float32)
+    # float32 terms, summed per lane over the chunk (CH / BLOCK <= 2 terms on
+    # the GPU), then across lanes and chunks in float64
+    # pages holding tokens, rounded up to 4 so that the mask allows vector loads
+    # (the stats kernel wrote mu = sigma = 0 on every page past the length)
+    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
+    a0 = tl.zeros([BLOCK], tl.float32)
+    a1 = tl.zeros([BLOCK], tl.float32)
+    a2 = tl.zeros([BLOCK], tl.float32)
     for j0 in range(0, CH, BLOCK):
         o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
-        w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float64)
-        m_v = (o_m < M) & (w > 0)
+        w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float32)
+        m_v = (o_m < M) & (o_m < npg4)
         b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
         b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
-        e_b, e_b1, e_b2 = _gauss_terms(am1 * b_mu - tau, am1 * b_sg, BETA_KIND)
-        a0 += tl.where(m_v, w * e_b, 0.0)
-        a1 += tl.where(m_v, w * e_b1, 0.0)
-        a2 += tl.where(m_v, w * e_b2, 0.0)
+        e_b, e_b1, e_b2 = _gauss_terms(((b_mu - c_hi) - c_lo) * am1, b_sg * am1, BETA_KIND, False)
+        # w = 0 on invalid pages, whose terms are finite (mu = sigma = 0)
+        a0 += w * e_b
+        a1 += w * e_b1
+        a2 += w * e_b2
     p = part_ptr + ((it * R + i_r) * NCH + i_c) * 3
-    tl.store(p + 0, tl.sum(a0, axis=0))
-    tl.store(p + 1, tl.sum(a1, axis=0))
-    tl.store(p + 2, tl.sum(a2, axis=0))
+    tl.store(p + 0, tl.sum(a0.to(tl.float64), axis=0))
+    tl.store(p + 1, tl.sum(a1.to(tl.float64), axis=0))
+    tl.store(p + 2, tl.sum(a2.to(tl.float64), axis=0))
 
 
 @triton.jit

@@ -65,6 +65,11 @@ def _gdot(b_a, b_b, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.const
             b_o = tl.dot(b_a.to(tl.float32), tl.trans(b_b.to(tl.float32)), input_precision=PREC)
         else:
             b_o = tl.dot(b_a.to(b_b.dtype), tl.trans(b_b))
+    elif b_a.shape[0] == 1:
+        # one head: a 2-D product reduced along d keeps d within a thread's
+        # registers; the 3-D broadcast below spreads d over the lanes (layout
+        # conversions through shared memory and ~14x the shuffles)
+        b_o = tl.sum(b_b.to(tl.float32) * b_a.to(tl.float32), axis=1)[None, :]
     else:
         b_o = tl.sum(b_a.to(tl.float32)[:, None, :] * b_b.to(tl.float32)[None, :, :], axis=2)
     return b_o
@@ -84,6 +89,8 @@ def _gdot_f32(b_a, b_b, LOW: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.co
             b_hi = b_b.to(LOW)
             b_lo = (b_b - b_hi.to(tl.float32)).to(LOW)
             b_o = tl.dot(a_hi, tl.trans(b_hi)) + tl.dot(a_hi, tl.trans(b_lo)) + tl.dot(a_lo, tl.trans(b_hi))
+    elif b_a.shape[0] == 1:  # one head: see _gdot
+        b_o = tl.sum(b_b * b_a, axis=1)[None, :]
     else:
         b_o = tl.sum(b_a[:, None, :] * b_b[None, :, :], axis=2)
     return b_o

@@ -39,6 +39,8 @@ ALL_HEADS = True
 # Warps of _chunk_kernel when the keys are ready (the bisection is ALU-bound:
 # fewer warps per chunk = less reduction overhead per key).
 SELECT_WARPS = 4
+# Largest chunk (pages) of _chunk_kernel when the keys are ready.
+SELECT_CH = 4096
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
 
@@ -47,13 +49,14 @@ MERGE_REGS = 16384
 # ---------------------------------------------------------------------------
 
 
-def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, sms: int) -> dict:
+def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, sms: int,
+              cap: int = 4096) -> dict:
     """Chunk size: as large as possible (up to 4096 pages), so that the
     bisection of a chunk is short next to its metadata read and the merge has
     few candidates, but small enough for two programs per multiprocessor."""
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     block_m = cfg["BLOCK_M"]
-    cap = 256 if interpreting() else 4096
+    cap = 256 if interpreting() else cap
     ch = max(block_m, min(cap, next_pow2(M)))
     floor = max(block_m, min(ch, 1024, next_pow2(4 * K)))
     while ch > floor and rows * cdiv(M, ch) < 2 * sms:
@@ -386,7 +389,9 @@ def select_topk(
     M = cache.block_table.shape[1]
     k_pages, W = topk_width(M, P, budget, sinks, window)
     dev = q.device
-    cfg = topk_plan(M, W, NG, D, q.dtype, cache.dtype, B * S, num_sms(dev))
+    all_heads = ALL_HEADS and G == 1
+    cfg = topk_plan(M, W, NG, D, q.dtype, cache.dtype, B * S, num_sms(dev),
+                    cap=SELECT_CH if all_heads else 4096)
     NCH, CH = cfg["NCH"], cfg["CH"]
     smp, smh = meta_strides(cache)
     sl = as_slopes(slopes, HQ, dev)
@@ -401,7 +406,6 @@ def select_topk(
     else:
         ck = cp = cn = keys
     write_ub = ub is not None
-    all_heads = ALL_HEADS and G == 1
     if all_heads:
         kp = keys_plan(B, NCH * CH, H, D, num_sms(dev))
         _keys_kernel[(B, cdiv(NCH * CH, kp["KCH"]))](
