@@ -1,9 +1,11 @@
 """Block-size sweep for the split attention kernel (dense softmax / entmax).
 
-Times ``kernels.dense_attend`` for (BLOCK_T, num_warps, num_stages) x split
-factor x tile Newton steps on the given configurations (one head per
-program: paper config; tl.dot path: GQA config) and prints a table; the
-chosen values are then written into ``attention._plan`` by hand.
+Times ``kernels.dense_attend`` (or, with ``--sparse``, ``kernels.attend``
+over every page in shuffled order, the path a selection takes) for
+(BLOCK_T, num_warps, num_stages) x split factor x tile Newton steps on the
+given configurations (one head per program: paper config; tl.dot path: GQA
+config) and prints a table; the chosen values are then written into
+``attention._plan`` by hand.
 
     PYTHONPATH=.:benchmarks python benchmarks/tune.py --configs gqa_128k --alphas 1.0
 """
@@ -17,7 +19,7 @@ import torch
 from bench_decode import CONFIGS, build, capture, time_graph  # noqa: E402
 
 VARIANTS = {  # (BLOCK_T, num_warps, num_stages) per code path
-    "one_head": [(256, 4, 3), (512, 4, 3), (512, 8, 3), (1024, 8, 3), (512, 8, 4)],
+    "one_head": [(256, 4, 3), (256, 8, 3), (512, 4, 3), (512, 8, 3), (1024, 8, 2), (512, 8, 4)],
     "dot": [(64, 4, 5), (32, 4, 6), (32, 4, 4), (32, 2, 6), (128, 4, 4)],
 }
 
@@ -28,8 +30,11 @@ def main(argv=None):
     ap.add_argument("--alphas", default="1.0,1.5")
     ap.add_argument("--factors", default="4,8")
     ap.add_argument("--newton", default="1")
+    ap.add_argument("--sparse", action="store_true", help="time attend over a shuffled full page list")
     args = ap.parse_args(argv)
     from entmaxkv.kernels import attention as A
+    from entmaxkv.kernels.select import select_full
+    from entmaxkv.types import Selection
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     alphas = [float(a) for a in args.alphas.split(",")]
@@ -39,6 +44,12 @@ def main(argv=None):
         B, n, HQ, H, D, dtype, P = cfg
         cache, ids, q, k4, v4 = build(cfg)
         ng = HQ // H
+        sel = None
+        if args.sparse:
+            full = select_full(q, cache, ids)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            perm = torch.argsort(torch.rand(full.pages.shape, device="cuda", generator=gen), dim=-1)
+            sel = Selection(torch.gather(full.pages, -1, perm.to(torch.int32)).contiguous(), full.counts)
         variants = VARIANTS["dot" if ng >= 2 else "one_head"]
         for alpha in alphas:
             for factor in (int(f) for f in args.factors.split(",")):
@@ -51,7 +62,10 @@ def main(argv=None):
                         A.TUNE.clear()
                         A.TUNE[(ng, D, alpha == 1.0)] = v
                         try:
-                            g, _ = capture(lambda: A.dense_attend(q, cache, ids, alpha=alpha, scale=1 / math.sqrt(D)))
+                            if sel is None:
+                                g, _ = capture(lambda: A.dense_attend(q, cache, ids, alpha=alpha, scale=1 / math.sqrt(D)))
+                            else:
+                                g, _ = capture(lambda: A.attend(q, cache, ids, sel, alpha=alpha, scale=1 / math.sqrt(D)))
                             ms, _ = time_graph(g, flush, 5, 15)
                             del g
                         except Exception as exc:  # noqa: BLE001
