@@ -14,18 +14,19 @@ synchronises with the host:
      partial (max, sum, accumulator) of each head.
    * entmax: computes x = (alpha-1) s and never reads V. Any subset's
      threshold is <= the full threshold (SPEC section 1), so a running lower
-     bound ``lb`` built from the tiles seen so far (Newton steps from the left
-     on each tile, valid because f is convex for alpha <= 2) screens the
-     tokens: only x > lb can be in the support. Those *candidates* (score +
-     physical token id) are the only scores written to HBM.
+     bound ``lb`` screens the tokens: only x > lb can be in the support. lb
+     comes from the per-slot maxima seen so far (distinct tokens), raised by
+     a Newton step from the left after each tile (valid because f is convex
+     for alpha <= 2). Those *candidates* (score + physical token id) are the
+     only scores written to HBM: staged per slot, then compacted in place
+     into one list per (query head, split) at the end of the program.
 2. ``_solve_kernel`` (grid B*HQ, entmax only): the exact tau of each query
    head over its candidates, whose other kept tokens have x <= lb <= tau and
    so contribute nothing. alpha = 2 / 1.5: Newton from the left until the
    support is stable, then the closed form on it; other alpha: safeguarded
    Halley (as the reference).
 3. ``_vacc_kernel`` (grid B*HQ x NSPLIT, entmax only): p = [x - tau]_+^beta over
-   each split's candidates; V rows are gathered only where p > 0 (tiles with
-   no support load no V at all).
+   each candidate list; V rows are gathered only where p > 0.
 4. ``_combine_kernel`` (grid B*HQ): merges the split partials, writes the output
    in q's dtype and tau (softmax: the log-sum-exp; a head with no kept token
    gets zeros and tau = +inf).

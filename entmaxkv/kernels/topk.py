@@ -9,16 +9,20 @@ row; forced pages (the last page, ``sinks`` first and ``window`` last pages)
 rank +inf, pages past the end are never kept. Each row keeps its
 max(budget // P, forced) best pages. No sort and no torch.topk:
 
-1. ``_chunk_kernel`` (grid B*S x NCH): scores CH pages (CH = NSUB * BLOCK_M)
-   from k_min/k_max, maps each rank to an int32 key with the same order,
-   finds the chunk's K-th largest key by bisection on the key bits (32
+0. ``_keys_kernel`` (grid B x page blocks; one query head per KV head only):
+   the rank keys of every head of a page from one contiguous read of its
+   k_min/k_max (packed cache layout), written to a [B*S, NCH*CH] key table.
+1. ``_chunk_kernel`` (grid B*S x NCH): otherwise scores CH pages
+   (CH = NSUB * BLOCK_M) of one row from k_min/k_max and maps each rank to an
+   int32 key with the same order; then finds the chunk's K-th largest key by
+   bisection on the key bits between its smallest and largest key (about 24
    counting passes over registers) and writes at most K candidates
    (key, page). With a single chunk it writes the Selection directly.
 2. ``_merge_kernel`` (grid B*S): the same bisection over the NCH * K
-   candidates of a row, then the kept pages in any order (the Selection
-   contract allows unsorted pages).
+   candidates of a row (held in registers when they fit), then the kept
+   pages in any order (the Selection contract allows unsorted pages).
 
-Both write fixed-shape buffers; nothing synchronises with the host.
+Every stage writes fixed-shape buffers; nothing synchronises with the host.
 """
 from __future__ import annotations
 
