@@ -1,6 +1,8 @@
 """Shared builders for tests: random paged caches and their dense twins."""
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Sequence
 
 import torch
@@ -48,3 +50,21 @@ def alibi(q_heads: int, nape: bool = True) -> torch.Tensor:
     if nape:
         s[q_heads // 2:] = 0.0
     return s
+
+
+def load_kernels():
+    """entmaxkv.kernels, (re)imported so that it matches TRITON_INTERPRET.
+
+    Set TRITON_INTERPRET=1 before calling on a machine without CUDA: Triton
+    picks the interpreter when ``@triton.jit`` runs, so kernel modules that
+    another test imported in compiled mode are dropped and imported again.
+    """
+    import entmaxkv
+
+    mod = sys.modules.get("entmaxkv.kernels._common")
+    if mod is not None and not torch.cuda.is_available() and not mod.interpreting():
+        for name in [m for m in sys.modules if m.startswith("entmaxkv.kernels")]:
+            del sys.modules[name]
+        if hasattr(entmaxkv, "kernels"):
+            delattr(entmaxkv, "kernels")
+    return importlib.import_module("entmaxkv.kernels")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -29,22 +28,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
+from helpers import load_kernels  # noqa: E402
 
-
-def _load_kernels():
-    """entmaxkv.kernels, (re)imported so that it matches TRITON_INTERPRET."""
-    import entmaxkv
-
-    mod = sys.modules.get("entmaxkv.kernels._common")
-    if mod is not None and not torch.cuda.is_available() and not mod.interpreting():
-        for name in [m for m in sys.modules if m.startswith("entmaxkv.kernels")]:
-            del sys.modules[name]
-        if hasattr(entmaxkv, "kernels"):
-            delattr(entmaxkv, "kernels")
-    return importlib.import_module("entmaxkv.kernels")
-
-
-K = _load_kernels()
+K = load_kernels()
 GK = importlib.import_module("entmaxkv.kernels.gaussian")
 
 from entmaxkv import Gaussian  # noqa: E402

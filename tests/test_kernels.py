@@ -13,7 +13,6 @@ selections are compared as sets.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -25,20 +24,9 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 
-def _load_kernels():
-    """entmaxkv.kernels, (re)imported so that it matches TRITON_INTERPRET."""
-    import entmaxkv
+from helpers import load_kernels  # noqa: E402
 
-    mod = sys.modules.get("entmaxkv.kernels._common")
-    if mod is not None and not torch.cuda.is_available() and not mod.interpreting():
-        for name in [m for m in sys.modules if m.startswith("entmaxkv.kernels")]:
-            del sys.modules[name]
-        if hasattr(entmaxkv, "kernels"):
-            delattr(entmaxkv, "kernels")
-    return importlib.import_module("entmaxkv.kernels")
-
-
-K = _load_kernels()
+K = load_kernels()
 
 from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402
 from entmaxkv import attention as RA  # noqa: E402

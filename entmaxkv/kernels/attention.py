@@ -146,6 +146,15 @@ def _pv(b_p, b_v, DOT_F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _newton_left(b_t, s0, s1, beta):
+    """One Newton step t + f / f' on f = s0 - 1 (s0 = sum u^beta, s1 = sum
+    u^(beta-1), u = [top - t]_+), taken only where f > 0 (from the left)."""
+    f = s0 - 1.0
+    fp = beta * s1
+    return tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+
+
+@triton.jit
 def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr):
     """Raise the lower bounds b_lb [R] on tau from b_top [R, T].
 
@@ -157,11 +166,8 @@ def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr)
     """
     b_t = tl.maximum(b_lb, tl.max(b_top, axis=1) - 1.0)
     for _ in tl.static_range(NEWTON):
-        b_u = tl.where(b_top > b_t[:, None], b_top - b_t[:, None], 0.0)
-        u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-        f = tl.sum(u0, axis=1) - 1.0
-        fp = beta * tl.sum(u1, axis=1)
-        b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+        u0, u1 = entmax_pows(tl.maximum(b_top - b_t[:, None], 0.0), beta, BETA_KIND)
+        b_t = _newton_left(b_t, tl.sum(u0, axis=1), tl.sum(u1, axis=1), beta)
     return tl.maximum(b_lb, b_t)
 
 
@@ -171,11 +177,8 @@ def _lb_update_1d(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constex
     1-D reductions (a [1, T] view measured 2x slower: layout conversions)."""
     b_t = tl.maximum(b_lb, tl.max(b_top, axis=0) - 1.0)
     for _ in tl.static_range(NEWTON):
-        b_u = tl.where(b_top > b_t, b_top - b_t, 0.0)
-        u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-        f = tl.sum(u0, axis=0) - 1.0
-        fp = beta * tl.sum(u1, axis=0)
-        b_t = tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
+        u0, u1 = entmax_pows(tl.maximum(b_top - b_t, 0.0), beta, BETA_KIND)
+        b_t = _newton_left(b_t, tl.sum(u0, axis=0), tl.sum(u1, axis=0), beta)
     return tl.maximum(b_lb, b_t)
 
 
