@@ -190,6 +190,20 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
     assert page_sets(sel) == page_sets(ref)
 
 
+def test_topk_all_heads_with_unpacked_statistics():
+    """A cache whose k_min / k_max are separate tensors (not views of k_bounds,
+    e.g. built by another framework): the all-heads pass takes the pair's
+    offset from the pointers and must select what the reference selects."""
+    cache, ids, q, sl = setup([300, 77], 3, 1, 24, 4, torch.float16, seed=4, slopes=True)
+    cache.k_min = cache.k_min.clone()
+    cache.k_max = cache.k_max.clone()
+    assert cache.k_max.data_ptr() - cache.k_min.data_ptr() != 24 * 2  # really unpacked
+    pol = TopK(32, sinks=1)
+    sel = K.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert page_sets(sel) == page_sets(ref)
+
+
 def _gaussian_oracle(q, cache, ids, sl, alpha, pooled):
     """tau_hat from float64 statistics (the reference solve, float64 path)."""
     mu, sg, n = RS.gaussian_stats(q.double(), cache, ids, scale=0.3, slopes=None if sl is None else sl.double())

@@ -166,7 +166,7 @@ def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr)
     """
     b_t = tl.maximum(b_lb, tl.max(b_top, axis=1) - 1.0)
     for _ in tl.static_range(NEWTON):
-        u0, u1 = entmax_pows(tl.maximum(b_top - b_t[:, None], 0.0), beta, BETA_KIND)
+        u0, u1 = entmax_pows(tl.where(b_top > b_t[:, None], b_top - b_t[:, None], 0.0), beta, BETA_KIND)
         b_t = _newton_left(b_t, tl.sum(u0, axis=1), tl.sum(u1, axis=1), beta)
     return tl.maximum(b_lb, b_t)
 
@@ -177,7 +177,7 @@ def _lb_update_1d(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constex
     1-D reductions (a [1, T] view measured 2x slower: layout conversions)."""
     b_t = tl.maximum(b_lb, tl.max(b_top, axis=0) - 1.0)
     for _ in tl.static_range(NEWTON):
-        u0, u1 = entmax_pows(tl.maximum(b_top - b_t, 0.0), beta, BETA_KIND)
+        u0, u1 = entmax_pows(tl.where(b_top > b_t, b_top - b_t, 0.0), beta, BETA_KIND)
         b_t = _newton_left(b_t, tl.sum(u0, axis=0), tl.sum(u1, axis=0), beta)
     return tl.maximum(b_lb, b_t)
 

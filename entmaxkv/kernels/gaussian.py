@@ -504,7 +504,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     cfg = gauss_plan(M, G, D, q.dtype, cache.dtype)
     NCH, CH = cfg["NCH"], cfg["CH"]
     nch_p2 = next_pow2(NCH)
-    smp, smh = meta_strides(cache)
+    smp, smh = meta_strides(cache, ("k_mean", "k_std"))
     dev = q.device
     sl = as_slopes(slopes, HQ, dev)
     ids = seq_ids.to(device=dev, dtype=torch.int32)

@@ -254,15 +254,17 @@ def _score_kernel(
 # ---------------------------------------------------------------------------
 
 
-def meta_strides(cache) -> Tuple[int, int]:
-    """Element strides (page, head) shared by k_min/k_max/k_mean/k_std (last dim contiguous)."""
-    ref = cache.k_min
-    for name in ("k_min", "k_max", "k_mean", "k_std"):
+def meta_strides(cache, pair=("k_min", "k_max")) -> Tuple[int, int]:
+    """Element strides (page, head) shared by the two statistics a kernel reads
+    (``pair``: k_min/k_max or k_mean/k_std), whose last dim must be contiguous."""
+    ref = getattr(cache, pair[0])
+    for name in pair:
         t = getattr(cache, name)
         if t.stride() != ref.stride():
-            raise ValueError(f"cache.{name}: expected the strides of cache.k_min")
-    if ref.stride(-1) != 1:
-        raise ValueError("cache.k_min: the head_dim axis must be contiguous")
+            raise ValueError(f"cache.{name}: expected the strides of cache.{pair[0]}, "
+                             f"got {t.stride()} and {ref.stride()}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"cache.{name}: the head_dim axis must be contiguous")
     if cache.block_table.stride(1) != 1 or cache.block_table.stride(0) != cache.block_table.shape[1]:
         raise ValueError("cache.block_table: expected a contiguous int32 table")
     return ref.stride(0), ref.stride(1)
@@ -284,7 +286,7 @@ def _score(q, cache, seq_ids, scale, slopes, gauss: bool, slack: bool = False):
     G = HQ // H
     M = cache.block_table.shape[1]
     cfg = score_plan(G, D, q.dtype, cache.dtype)
-    smp, smh = meta_strides(cache)
+    smp, smh = meta_strides(cache, ("k_mean", "k_std") if gauss else ("k_min", "k_max"))
     dev = q.device
     sl = as_slopes(slopes, HQ, dev)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
