@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..types import Selection
 from ._common import as_slopes, cdiv, interpreting, next_pow2
-from .scoring import load_queries, meta_strides, page_gauss, page_rows, prep_query, score_plan
+from .scoring import kv_row, meta_strides, page_gauss, page_rows, prep_query, score_plan
 
 # Halley iterations of the page-mixture solve (one launch each).
 NIT = 4
@@ -270,15 +270,9 @@ def _stats_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_r = tl.program_id(0)
     i_c = tl.program_id(1)
-    i_b = i_r // H
-    kvh = i_r % H
-    h0 = kvh * G
-    seq = tl.load(ids_ptr + i_b).to(tl.int64)
-    n = tl.load(lens_ptr + seq)
-    b_q, b_sl = load_queries(q_ptr, slopes_ptr, i_b, h0, stride_qb, stride_qh,
-                             G, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
+    i_b, kvh, h0, seq, n, b_q, b_sl = kv_row(q_ptr, slopes_ptr, ids_ptr, lens_ptr, tl.program_id(0),
+                                             stride_qb, stride_qh, G, H, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < G
     o_row = (i_b * HQ + h0 + o_g).to(tl.int64)

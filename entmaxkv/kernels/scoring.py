@@ -188,6 +188,22 @@ def head_pairs(ptr, phys, m_v, stride_mp, stride_mh, half_off,
 
 
 @triton.jit
+def kv_row(q_ptr, slopes_ptr, ids_ptr, lens_ptr, i_r, stride_qb, stride_qh, G,
+           H: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+           HAS_ALIBI: tl.constexpr):
+    """Program row i_r = b * H + kv head -> (b, kv head, first query head,
+    cache slot, length, queries [BLOCK_G, BLOCK_D], slopes [BLOCK_G])."""
+    i_b = i_r // H
+    kvh = i_r % H
+    h0 = kvh * G
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    b_q, b_sl = load_queries(q_ptr, slopes_ptr, i_b, h0, stride_qb, stride_qh,
+                             G, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
+    return i_b, kvh, h0, seq, n, b_q, b_sl
+
+
+@triton.jit
 def load_queries(q_ptr, slopes_ptr, i_b, h0, stride_qb, stride_qh,
                  NG: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                  HAS_ALIBI: tl.constexpr):
@@ -221,15 +237,9 @@ def _score_kernel(
     GAUSS: tl.constexpr, HAS_ALIBI: tl.constexpr, SLACK: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_r = tl.program_id(0)
     i_m = tl.program_id(1)
-    i_b = i_r // H
-    kvh = i_r % H
-    h0 = kvh * G
-    seq = tl.load(ids_ptr + i_b).to(tl.int64)
-    n = tl.load(lens_ptr + seq)
-    b_q, b_sl = load_queries(q_ptr, slopes_ptr, i_b, h0, stride_qb, stride_qh,
-                             G, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
+    i_b, kvh, h0, seq, n, b_q, b_sl = kv_row(q_ptr, slopes_ptr, ids_ptr, lens_ptr, tl.program_id(0),
+                                             stride_qb, stride_qh, G, H, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
     o_g = tl.arange(0, BLOCK_G)
