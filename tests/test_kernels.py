@@ -271,6 +271,19 @@ def test_certified_select_and_certificate(seed_policy, per_q, alpha):
         assert torch.equal(got.cpu(), want.cpu())
 
 
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_certified_topk_seed_one_query_head_per_kv_head(alpha):
+    """MHA: the seed's bounds + slack come from the all-heads _keys_kernel."""
+    cache, ids, q, sl = setup([260, 45], 3, 1, 24, 4, torch.float16, seed=13, key_scale=2.0, slopes=True)
+    pol = Certified(seed=TopK(24), window=1)
+    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    ref = RP.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    assert page_sets(sel) == page_sets(ref)
+    out, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
+    full, _ = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    assert rel_err(out, full) < TOL[torch.float16]
+
+
 def test_decode_dispatches_to_kernels():
     """decode(backend="triton") runs these kernels and agrees with the reference."""
     cache, ids, q, sl = setup([120, 33], 2, 2, 16, 8, torch.float32, seed=9, slopes=True)
