@@ -103,6 +103,18 @@ def stats_certified(stats_per_layer) -> float:
     return float(torch.stack([s.certified.float().mean() for s in stats_per_layer]).mean())
 
 
+def certified_check(per_length: Sequence[dict]) -> dict:
+    """The result entry for "certified == full-cache logits": one dict per
+    length with "ok" and "max_rel_err"; all_ok when every length passed."""
+    return {"tolerance": CERT_TOL, "all_ok": all(c["ok"] for c in per_length), "per_length": list(per_length)}
+
+
+def certified_line(cc: dict) -> str:
+    """One printed line summarising a certified_check entry."""
+    worst = max([c["max_rel_err"] for c in cc["per_length"]] or [0])
+    return f"certified == full logits: {'OK' if cc['all_ok'] else 'FAILED'} (max rel err {worst:.2e})"
+
+
 def write_json(path: str, obj: dict) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

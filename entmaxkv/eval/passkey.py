@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from ..model.data import PK_DIGITS, decode as detok, draw_key, load_split, passkey_prompt
 from ..model.generate import DecodeSession
-from .common import (CERT_TOL, TWINS, Timer, add_common_args, device_info, load_twins, model_info,
-                     twin_policies,
-                     png_path, rel_err, setup, stats_certified, stats_coverage, write_json)
+from .common import (CERT_TOL, TWINS, Timer, add_common_args, certified_check, certified_line, device_info,
+                     load_twins, model_info, png_path, rel_err, setup, stats_certified, stats_coverage,
+                     twin_policies, write_json)
 
 
 def add_passkey_args(p: argparse.ArgumentParser) -> None:
@@ -115,8 +115,7 @@ def run_passkey(args: argparse.Namespace) -> int:
                   "haystack": "test split of the stdlib corpus", "keys": "test keys (multiples of 7)",
                   "depths": "(i + 0.5) / trials"},
         "cells": cells,
-        "certified_check": {"tolerance": CERT_TOL, "all_ok": all(c["ok"] for c in cert_checks),
-                            "per_length": cert_checks},
+        "certified_check": certified_check(cert_checks),
         "wall_s": clock(),
     }
     write_json(args.out, result)
@@ -140,9 +139,7 @@ def print_table(result: dict) -> None:
                if (c["model"], c["method"], c["budget"]) == k}
         print(f"{k[0]:<8} {k[1]:<10} {str(k[2] or '-'):>6} " + " ".join(
             f"{acc[x]:>7.2f}" if x in acc else f"{'':>7}" for x in L))
-    cc = result["certified_check"]
-    print(f"certified == full logits: {'OK' if cc['all_ok'] else 'FAILED'} "
-          f"(max rel err {max([c['max_rel_err'] for c in cc['per_length']] or [0]):.2e})")
+    print(certified_line(result["certified_check"]))
 
 
 def plot_passkey(result: dict, path) -> None:

@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 from ..model.data import load_split, test_windows
 from ..model.generate import DecodeSession
-from .common import (CERT_TOL, TWINS, Timer, add_common_args, device_info, load_twins, model_info,
-                     twin_policies,
-                     png_path, rel_err, setup, stats_certified, stats_coverage, write_json)
+from .common import (CERT_TOL, TWINS, Timer, add_common_args, certified_check, certified_line, device_info,
+                     load_twins, model_info, png_path, rel_err, setup, stats_certified, stats_coverage,
+                     twin_policies, write_json)
 
 
 def add_perplexity_args(p: argparse.ArgumentParser) -> None:
@@ -111,8 +111,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
                   "text": "disjoint windows of the test split of the stdlib corpus",
                   "unit": "perplexity per byte (byte-level tokens)"},
         "rows": rows,
-        "certified_check": {"tolerance": CERT_TOL, "all_ok": all(c["ok"] for c in cert_checks),
-                            "per_length": cert_checks},
+        "certified_check": certified_check(cert_checks),
         "wall_s": clock(),
     }
     write_json(args.out, result)
@@ -127,9 +126,7 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         print(f"{r['length']:>6} {r['model']:<8} {r['method']:<10} {str(r['budget'] or '-'):>6} "
               f"{r['ppl']:>9.4f} {r['coverage']:>9.4f}")
-    cc = result["certified_check"]
-    print(f"certified == full logits: {'OK' if cc['all_ok'] else 'FAILED'} "
-          f"(max rel err {max([c['max_rel_err'] for c in cc['per_length']] or [0]):.2e})")
+    print(certified_line(result["certified_check"]))
 
 
 def plot_perplexity(result: dict, path) -> None:
