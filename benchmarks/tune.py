@@ -31,10 +31,14 @@ def main(argv=None):
     ap.add_argument("--factors", default="4,8")
     ap.add_argument("--newton", default="1")
     ap.add_argument("--sparse", action="store_true", help="time attend over a shuffled full page list")
+    ap.add_argument("--variants", default=None, metavar="BT,WARPS,STAGES;...",
+                    help="(BLOCK_T, num_warps, num_stages) triples to time instead of the built-in list")
     args = ap.parse_args(argv)
     from entmaxkv.kernels import attention as A
     from entmaxkv.kernels.select import select_full
     from entmaxkv.types import Selection
+
+    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON)
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     alphas = [float(a) for a in args.alphas.split(",")]
@@ -51,9 +55,12 @@ def main(argv=None):
             perm = torch.argsort(torch.rand(full.pages.shape, device="cuda", generator=gen), dim=-1)
             sel = Selection(torch.gather(full.pages, -1, perm.to(torch.int32)).contiguous(), full.counts)
         variants = VARIANTS["dot" if ng >= 2 else "one_head"]
+        if args.variants:
+            variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
         for alpha in alphas:
-            for factor in (int(f) for f in args.factors.split(",")):
-                A.SPLIT_FACTOR = factor
+            for factor in (float(f) for f in args.factors.split(",")):
+                A.SPLIT_FACTOR = factor  # programs per SM (the tl.dot entmax pass: exactly, rounded down)
+                A.DOT_ENTMAX_PER_SM = factor
                 for newton in (int(x) for x in args.newton.split(",")):
                     if alpha == 1.0 and newton != int(args.newton.split(",")[0]):
                         continue  # softmax has no lower bound
@@ -72,17 +79,18 @@ def main(argv=None):
                             ms = float("nan")
                             print(cname, alpha, v, "ERROR", str(exc)[:200])
                         out.append((cname, alpha, factor, newton, v, ms))
-                        print(f"{cname:11s} a{alpha} f{factor} nw{newton} {v} {ms:.4f}", flush=True)
+                        print(f"{cname:11s} a{alpha} f{factor:g} nw{newton} {v} {ms:.4f}", flush=True)
         del cache, ids, q, k4, v4
         torch.cuda.empty_cache()
     A.TUNE.clear()
+    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON = defaults
     print("\nbest per (config, alpha):")
     for cname in args.configs.split(","):
         for alpha in alphas:
             rows = [r for r in out if r[0] == cname and r[1] == alpha and r[5] == r[5]]
             rows.sort(key=lambda r: r[5])
             for r in rows[:3]:
-                print(f"  {r[0]:11s} a{r[1]} factor {r[2]} newton {r[3]} (BT, warps, stages) {r[4]}: {r[5]:.4f} ms")
+                print(f"  {r[0]:11s} a{r[1]} factor {r[2]:g} newton {r[3]} (BT, warps, stages) {r[4]}: {r[5]:.4f} ms")
 
 
 if __name__ == "__main__":

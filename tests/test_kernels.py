@@ -13,6 +13,7 @@ selections are compared as sets.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -33,6 +34,7 @@ from entmaxkv import attention as RA  # noqa: E402
 from entmaxkv import policies as RP  # noqa: E402
 from entmaxkv import scoring as RS  # noqa: E402
 from entmaxkv.gaussian import pooled_moments, solve_tau_hat  # noqa: E402
+from entmaxkv.cache import PagedKVCache  # noqa: E402
 from entmaxkv.types import Selection  # noqa: E402
 from helpers import alibi, random_cache, rel_err  # noqa: E402
 
@@ -101,11 +103,18 @@ def test_dense_attend_matches_reference(alpha, dtype, G, P, D, slopes):
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
 @pytest.mark.parametrize("G", [1, 4])
-def test_dense_entmax_long_splits_many_candidates(alpha, G, monkeypatch):
+@pytest.mark.parametrize("vacc", ["block-acc", "row-acc"])
+def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
     """One split per row walks ~90 tiles of nearly flat scores: slots collect
     many candidates (several staging rows), which the split program compacts
-    in place; the result must still be exact."""
-    monkeypatch.setattr(sys.modules["entmaxkv.kernels.attention"], "SPLIT_FACTOR", 1)
+    in place; the result must still be exact. Long candidate lists also run
+    the V pass through several blocks, with either accumulator (the GPU picks
+    by head dim)."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "SPLIT_FACTOR", 1)
+    monkeypatch.setattr(A, "DOT_ENTMAX_PER_SM", 1)
+    if vacc == "row-acc":
+        monkeypatch.setattr(A, "VACC_SMALL_D", A.VACC_LARGE_D)
     cache, ids, q, sl = setup([2900, 61], 2, G, 16, 8, torch.float32, seed=12, key_scale=0.05)
     out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3)
     full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3)
@@ -190,6 +199,50 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
     assert page_sets(sel) == page_sets(ref)
 
 
+@pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
+@pytest.mark.parametrize("prefilter", [True, False], ids=["prefilter", "no-prefilter"])
+def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
+    """Long MHA rows, small budget: more group maxima (_keys_kernel programs)
+    than pages kept, so _chunk_kernel drops every page below the k-th largest
+    group maximum. iid: few survivors per chunk (no bisection); clustered: the
+    best pages crowd into one chunk (more survivors than k there: the
+    bisection fallback); ties: 300 pages share the top bound, so which pages
+    are kept is arbitrary but they must be k_row pages of the top rank."""
+    monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "PREFILTER", prefilter)
+    gen = torch.Generator().manual_seed(21)
+    B, n, H, D, P = 2, 4000, 2, 16, 4
+    k = torch.randn(B, n, H, D, generator=gen)
+    v = torch.randn(B, n, H, D, generator=gen)
+    q = torch.randn(B, H, D, generator=gen)
+    if layout == "clustered":
+        k[:, 1200:2000] *= 3.0
+    elif layout == "ties":
+        k[:, 400:1600] = (10.0 * q / q.norm(dim=-1, keepdim=True))[:, None]
+    cache, slots = PagedKVCache.from_dense(k, v, [n, 2999], P, dtype=torch.float16, spare_pages=3,
+                                           shuffle=True, generator=gen, device=DEV)
+    ids = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    q = q.to(torch.float16).to(DEV)
+    pol = TopK(24)
+    sel = K.select(pol, q, cache, ids, alpha=1.5, scale=0.25)
+    ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.25)
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    if layout != "ties":
+        assert page_sets(sel) == page_sets(ref)
+        return
+    rank = RS.quest_bounds(q, cache, ids, scale=0.25).cpu()
+    got = page_sets(sel)
+    for b, n_b in enumerate([n, 2999]):
+        last = (n_b + P - 1) // P - 1
+        for h in range(H):
+            r = rank[b, h].clone()
+            r[last] = float("inf")  # forced: the page holding the query
+            kept = got[b][h]
+            t = torch.sort(r, descending=True).values[len(kept) - 1]
+            assert last in kept and all(r[p] >= t for p in kept)
+            assert {int(p) for p in (r > t).nonzero().flatten()} <= kept
+            assert (r[sorted(kept - {last})] == t).sum() >= 2  # really ties at the threshold
+
+
 def test_topk_all_heads_with_unpacked_statistics():
     """A cache whose k_min / k_max are separate tensors (not views of k_bounds,
     e.g. built by another framework): the all-heads pass takes the pair's
@@ -219,6 +272,22 @@ def _gaussian_oracle(q, cache, ids, sl, alpha, pooled):
     (1.5, True, False, True), (1.25, False, False, False),
 ], ids=["a1.5", "a2-alibi", "a4/3-per-q", "a1.5-pooled", "a1.25-reference-path"])
 def test_gaussian_select(alpha, pooled, per_q, slopes):
+    _check_gaussian_select(alpha, pooled, per_q, slopes)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["iterated", "pooled"])
+def test_gaussian_select_short_stats_chunks(pooled, monkeypatch):
+    """The stats launch cut into more chunks than the iteration launches
+    (as on a GPU with few rows): the partial statistics still merge right."""
+    gk = importlib.import_module("entmaxkv.kernels.gaussian")
+    monkeypatch.setattr(gk, "MIN_CH", 16)
+    monkeypatch.setattr(gk, "CHUNK_FACTOR", 1024)
+    cfg = gk.gauss_plan(113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
+    assert cfg["NCS"] > cfg["NCH"]
+    _check_gaussian_select(1.5, pooled, False, True)
+
+
+def _check_gaussian_select(alpha, pooled, per_q, slopes):
     lens = [300, 900, 9]
     cache, ids, q, sl = setup(lens, 2, 2, 16, 8, torch.float32, seed=7, slopes=slopes)
     pol = Gaussian(q_max=0.99, margin=0.05, pooled=pooled, sinks=1, per_query_head=per_q)

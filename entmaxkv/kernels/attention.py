@@ -63,6 +63,13 @@ NEWTON_MAX = 64
 # tile: a conditional update inside the loop measured slower, it defeats the
 # software pipelining of the K loads).
 TILE_NEWTON = 1
+# _vacc_kernel (block of candidates, warps, [block, D] accumulator) by head
+# dim, measured on the H200 (benchmarks/results/profile.log): d <= 64 (paper
+# config) 128 x 4 warps with a [block, D] accumulator, 8.4 us at 8 x 128k;
+# larger d (GQA config) 32 x 1 warp with one [D] row, 8.0 us at 4 x 32k
+# (the former: 33.6 us there).
+VACC_SMALL_D = (128, 4, True)
+VACC_LARGE_D = (32, 1, False)
 
 
 # ---------------------------------------------------------------------------
@@ -71,8 +78,14 @@ TILE_NEWTON = 1
 
 # Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
 TUNE: dict = {}
-# Programs per multiprocessor the split count aims for.
+# Programs per multiprocessor the split count aims for (may be fractional:
+# int(SPLIT_FACTOR * SMs) programs in all, rounded up to whole splits per row).
 SPLIT_FACTOR = 8
+# The tl.dot entmax pass instead runs exactly this many programs per SM
+# (rounded down to whole splits per row): its 4-stage K pipeline takes 128 KB
+# of shared memory, one program per SM, so a partial last wave costs a whole
+# program's time (4 x 32k GQA: 2 per SM 0.169 ms, 8 per SM 0.229 ms).
+DOT_ENTMAX_PER_SM = 2
 
 
 def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool, itemsize: int = 2,
@@ -81,7 +94,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
     # (256 x 8 over a selection's page list), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages,
-    # entmax (K only) 128 x 4 warps x 4 stages. Deep pipelines of small tiles
+    # entmax (K only) 128 x 4 warps x 4 stages at 2 programs per SM. Deep pipelines of small tiles
     # win there; the stage count is capped so the buffers stay within
     # ~160 KB of shared memory for any head dim and dtype.
     use_dot = NG >= 2
@@ -111,9 +124,12 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     if interpreting():
         block_t = min(block_t, 32)
     rows = B * S
-    target = SPLIT_FACTOR * num_sms(device)
+    if use_dot and not softmax:
+        want = max(1, int(DOT_ENTMAX_PER_SM * num_sms(device)) // rows)
+    else:
+        want = cdiv(max(1, int(SPLIT_FACTOR * num_sms(device))), rows)
     tokens = W * P
-    nsplit = max(1, min(cdiv(target, rows), W, 128, max(1, tokens // (2 * block_t))))
+    nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t,
                 NSPLIT=nsplit, num_warps=warps, num_stages=stages)
 
@@ -530,10 +546,17 @@ def _vacc_kernel(
     stride_vp, stride_vh, stride_vr,
     HQ, G,
     NSPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    BETA_KIND: tl.constexpr,
+    BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr,
 ):
     """p = [x - tau]_+^beta over the candidate list of one (query head, split);
-    V rows are gathered only where p > 0 (usually one short block per list)."""
+    V rows are gathered only where p > 0 (usually one short block per list).
+
+    The kernel is latency-bound: token ids load with the scores (not after
+    p > 0 is known: one dependent round trip less). ACC_ROWS: a [BLOCK_C, D]
+    accumulator summed once at the end (small D, long lists); otherwise one
+    [D] row, summed per block: few registers, so that many one-warp programs
+    fit per SM (large D, where the grid B*HQ x NSPLIT is large and the lists
+    short)."""
     i_h = tl.program_id(0)  # b * HQ + query head
     i_s = tl.program_id(1)
     kvh = (i_h % HQ) // G
@@ -543,18 +566,29 @@ def _vacc_kernel(
     tau = tl.load(tau_ptr + r)
     n = tl.load(cn_ptr + r * NSPLIT + i_s)
     p_l = (r * NSPLIT + i_s) * CAP
-    b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+    if ACC_ROWS:
+        b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+    else:
+        b_acc = tl.zeros([BLOCK_D], tl.float32)
     for c0 in range(0, n, BLOCK_C):
         o_j = c0 + tl.arange(0, BLOCK_C)
         m_j = o_j < n
         b_x = tl.load(cx_ptr + p_l + o_j, mask=m_j, other=float("-inf"))
+        b_tok = tl.load(ci_ptr + p_l + o_j, mask=m_j, other=0)
         b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
         m_p = m_j & (b_p > 0)
-        b_tok = tl.load(ci_ptr + p_l + o_j, mask=m_p, other=0)
         o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
         b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
-        b_acc += tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
-    tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, tl.sum(b_acc, axis=0), mask=m_d)
+        b_pv = tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
+        if ACC_ROWS:
+            b_acc += b_pv
+        else:
+            b_acc += tl.sum(b_pv, axis=0)
+    if ACC_ROWS:
+        b_out = tl.sum(b_acc, axis=0)
+    else:
+        b_out = b_acc
+    tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, b_out, mask=m_d)
 
 
 @triton.jit
@@ -684,14 +718,15 @@ def _run(
         if not want_out:
             return None, tau.view(B, HQ)
         block_d = next_pow2(D)
+        vblock, vwarps, vrows = VACC_SMALL_D if block_d <= 64 else VACC_LARGE_D
         _vacc_kernel[(R, NSPLIT)](
             cache.v_pages, cx, ci, cn, tau, pacc,
             float(beta), CAP,
             svp, svh, svr,
             HQ, G,
             NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
-            BLOCK_C=max(16, min(128, 8192 // block_d)), BETA_KIND=bk,
-            num_warps=4,
+            BLOCK_C=max(16, min(vblock, 8192 // block_d)), BETA_KIND=bk, ACC_ROWS=vrows,
+            num_warps=vwarps,
         )
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
     _combine_kernel[(R,)](

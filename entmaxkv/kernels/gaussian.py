@@ -12,7 +12,7 @@ closed forms for beta = 1, 2, 3 (alpha = 2, 1.5, 4/3). Page p is kept when
 selection row, z_n = Phi^{-1}(q_max^(1/n)).
 
 Launches (no host synchronisation, fixed count):
-1. ``_stats_kernel`` (B*H x NCH): mu, sigma of every page and head (one read
+1. ``_stats_kernel`` (B*H x NCS chunks of CHS <= CH pages): mu, sigma of every page and head (one read
    of k_mean / k_std) plus per-chunk partials: token-weighted sums for the
    pooled Gaussian (shifted sums, accumulated per lane, one reduction per
    program) and the maxima that bracket tau_hat.
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import as_slopes, cdiv, interpreting, next_pow2
+from ._common import as_slopes, cdiv, interpreting, next_pow2, num_sms
 from .scoring import kv_row, meta_strides, page_gauss, page_rows, prep_query, score_plan
 
 # Halley iterations of the page-mixture solve (one launch each).
@@ -61,11 +61,26 @@ SCALAR_ITERS = 24
 # ---------------------------------------------------------------------------
 
 
-def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype) -> dict:
+# Programs per multiprocessor the stats launch (B*H x NCH) aims for: chunks
+# shrink (down to MIN_CH pages) until there are that many.
+CHUNK_FACTOR = 4
+MIN_CH = 128
+
+
+def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms: int = 1) -> dict:
+    """Chunks: CH pages per program of the iteration and selection launches
+    (up to 2048), CHS <= CH pages per program of the stats launch, smaller
+    when its ``rows`` (B*H) alone would leave multiprocessors idle: 4 x 32k
+    GQA rows are 32 rows of 2048 pages, one chunk each kept 100 of 132 SMs
+    idle (68 us; 20 us at 256 programs). The iteration launches have HQ/H
+    times more rows and measured faster with the long chunks."""
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     block_m = cfg["BLOCK_M"]
     ch = max(block_m, min(256 if interpreting() else 2048, next_pow2(M)))
-    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch))
+    chs = ch
+    while chs > max(block_m, MIN_CH) and rows * cdiv(M, chs) < CHUNK_FACTOR * sms:
+        chs //= 2
+    cfg.update(CH=ch, NCH=cdiv(M, ch), CHS=chs, NSUBS=chs // block_m, NCS=cdiv(M, chs))
     return cfg
 
 
@@ -334,10 +349,12 @@ def _reduce_stats(st_ptr, r, NCH: tl.constexpr, NCH_P2: tl.constexpr):
 
 @triton.jit
 def _iterate(st_ptr, part_ptr, state_ptr, r, it, R, am1, beta,
-             NCH: tl.constexpr, NCH_P2: tl.constexpr, BETA_KIND: tl.constexpr, ITERS: tl.constexpr):
-    """The iterate tau_it of head r and its bracket, rebuilt from launch it-1's partials."""
+             NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
+             BETA_KIND: tl.constexpr, ITERS: tl.constexpr):
+    """The iterate tau_it of head r and its bracket, rebuilt from launch it-1's
+    partials (NCH chunks; the stats launch wrote NCS chunks)."""
     if it == 0:
-        sw, mn, sq, mlo, mhi = _reduce_stats(st_ptr, r, NCH, NCH_P2)
+        sw, mn, sq, mlo, mhi = _reduce_stats(st_ptr, r, NCS, NCS_P2)
         lo = mlo.to(tl.float64) - 1.0  # F(lo) >= 0 (Jensen, beta >= 1)
         hi = tl.maximum(mhi.to(tl.float64), lo + 1.0)  # F(hi) < 0 (12-sigma tails)
         tau = lo
@@ -360,12 +377,14 @@ def _iterate(st_ptr, part_ptr, state_ptr, r, it, R, am1, beta,
 def _iter_kernel(
     ids_ptr, lens_ptr, mu_ptr, sg_ptr, st_ptr, part_ptr, state_ptr,
     it, R, M, am1, beta,
-    NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
+    NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
+    CH: tl.constexpr, BLOCK: tl.constexpr,
     HQ: tl.constexpr, P: tl.constexpr, BETA_KIND: tl.constexpr, ITERS: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
-    tau, lo, hi = _iterate(st_ptr, part_ptr, state_ptr, i_r, it, R, am1, beta, NCH, NCH_P2, BETA_KIND, ITERS)
+    tau, lo, hi = _iterate(st_ptr, part_ptr, state_ptr, i_r, it, R, am1, beta, NCH, NCH_P2, NCS, NCS_P2,
+                           BETA_KIND, ITERS)
     if i_c == 0:
         p_s = state_ptr + (it * R + i_r) * 3
         tl.store(p_s + 0, lo)
@@ -408,7 +427,8 @@ def _select_kernel(
     ids_ptr, lens_ptr, mu_ptr, sg_ptr, st_ptr, part_ptr, state_ptr, z_ptr,
     pages_ptr, counts_ptr, tauhat_ptr,
     it, R, M, am1, beta, margin, sinks, window,
-    NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
+    NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
+    CH: tl.constexpr, BLOCK: tl.constexpr,
     HQ: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, BLOCK_G: tl.constexpr, P: tl.constexpr,
     BETA_KIND: tl.constexpr, ITERS: tl.constexpr, POOLED: tl.constexpr,
 ):
@@ -423,11 +443,11 @@ def _select_kernel(
     for g in range(NG):  # (float64 iterate, float32 tau_hat as the reference returns)
         r = (i_b * HQ + h0 + g).to(tl.int64)
         if POOLED:
-            sw, mn, sq, _mlo, _mhi = _reduce_stats(st_ptr, r, NCH, NCH_P2)
+            sw, mn, sq, _mlo, _mhi = _reduce_stats(st_ptr, r, NCS, NCS_P2)
             t = _pooled_tau(sw, mn, sq, am1, beta, ITERS, BETA_KIND)
         else:
             t, _lo, _hi = _iterate(st_ptr, part_ptr, state_ptr, r, it, R, am1, beta, NCH, NCH_P2,
-                                   BETA_KIND, ITERS)
+                                   NCS, NCS_P2, BETA_KIND, ITERS)
         t = t.to(tl.float32)
         b_tau = tl.where(o_g == g, t, b_tau)
         if i_c == 0:
@@ -495,9 +515,9 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     NG = HQ // S
     M = cache.block_table.shape[1]
     R = B * HQ
-    cfg = gauss_plan(M, G, D, q.dtype, cache.dtype)
-    NCH, CH = cfg["NCH"], cfg["CH"]
-    nch_p2 = next_pow2(NCH)
+    cfg = gauss_plan(M, G, D, q.dtype, cache.dtype, B * H, num_sms(q.device))
+    NCH, CH, NCS = cfg["NCH"], cfg["CH"], cfg["NCS"]
+    nch_p2, ncs_p2 = next_pow2(NCH), next_pow2(NCS)
     smp, smh = meta_strides(cache, ("k_mean", "k_std"))
     dev = q.device
     sl = as_slopes(slopes, HQ, dev)
@@ -505,14 +525,14 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     am1, beta = float(alpha - 1.0), float(1.0 / (alpha - 1.0))
     mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
     sg = torch.empty_like(mu)
-    st = torch.empty(R, NCH, 5, dtype=torch.float32, device=dev)
-    _stats_kernel[(B * H, NCH)](
+    st = torch.empty(R, NCS, 5, dtype=torch.float32, device=dev)
+    _stats_kernel[(B * H, NCS)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
         mu, sg, st,
         float(scale), am1, q.stride(0), q.stride(1), smp, smh,
         HQ, G, M,
-        H=H, NCH=NCH, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
-        NSUB=cfg["NSUB"], HAS_ALIBI=slopes is not None,
+        H=H, NCH=NCS, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
+        NSUB=cfg["NSUBS"], HAS_ALIBI=slopes is not None,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
         num_warps=4,
     )
@@ -524,7 +544,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         _iter_kernel[(R, NCH)](
             ids, cache.seq_lens, mu, sg, st, part, state,
             it, R, M, am1, beta,
-            NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
+            NCH=NCH, NCH_P2=nch_p2, NCS=NCS, NCS_P2=ncs_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
             BETA_KIND=bk, ITERS=SCALAR_ITERS, num_warps=4,
         )
     pages = torch.zeros(B, S, M, dtype=torch.int32, device=dev)
@@ -534,7 +554,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         ids, cache.seq_lens, mu, sg, st, part, state, z_table(policy.q_max, P, dev),
         pages, counts, tau_hat,
         nit, R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
-        NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
+        NCH=NCH, NCH_P2=nch_p2, NCS=NCS, NCS_P2=ncs_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
         HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P,
         BETA_KIND=bk, ITERS=SCALAR_ITERS, POOLED=policy.pooled, num_warps=4,
     )
