@@ -11,16 +11,20 @@ max(budget // P, forced) best pages. No sort and no torch.topk:
 
 0. ``_keys_kernel`` (grid B x page blocks; one query head per KV head only):
    the rank keys of every head of a page from one contiguous read of its
-   k_min/k_max (packed cache layout), written to a [B*S, NCH*CH] key table.
+   k_min/k_max (packed cache layout), written to a [B*S, NCH*CH] key table;
+   then ``_gmax_kernel`` (grid B*S x group blocks): the largest key of each of
+   about GMAX_GROUPS page groups per row. The K-th largest group maximum lb
+   is a lower bound on the row's K-th key (the pre-filter).
 1. ``_chunk_kernel`` (grid B*S x NCH): otherwise scores CH pages
    (CH = NSUB * BLOCK_M) of one row from k_min/k_max and maps each rank to an
-   int32 key with the same order; then finds the chunk's K-th largest key by
-   bisection on the key bits between its smallest and largest key (about 24
-   counting passes over registers) and writes at most K candidates
-   (key, page). With a single chunk it writes the Selection directly.
-2. ``_merge_kernel`` (grid B*S): the same bisection over the NCH * K
-   candidates of a row (held in registers when they fit), then the kept
-   pages in any order (the Selection contract allows unsorted pages).
+   int32 key with the same order. With the pre-filter, a chunk with at most
+   K keys >= lb keeps them all; otherwise it finds its K-th largest key by
+   bisection on the key bits between max(lb, smallest key) and its largest
+   key (about 24 counting passes over registers). It writes at most K
+   candidates (key, page); with a single chunk, the Selection directly.
+2. ``_merge_kernel`` (grid B*S): the same bisection (from lb) over the
+   NCH * K candidate slots of a row (held in registers when they fit), then
+   the kept pages in any order (the Selection contract allows unsorted pages).
 
 Every stage writes fixed-shape buffers; nothing synchronises with the host.
 """
