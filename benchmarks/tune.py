@@ -1,7 +1,8 @@
 """Block-size sweep for the split attention kernel (dense softmax / entmax).
 
 Times ``kernels.dense_attend`` (or, with ``--sparse``, ``kernels.attend``
-over every page in shuffled order, the path a selection takes) for
+over every page in shuffled order, the path a selection takes; with
+``--pages N`` over N of them, a top-k-sized selection) for
 (BLOCK_T, num_warps, num_stages) x split factor x tile Newton steps on the
 given configurations (one head per program: paper config; tl.dot path: GQA
 config) and prints a table; the chosen values are then written into
@@ -31,6 +32,8 @@ def main(argv=None):
     ap.add_argument("--factors", default="4,8")
     ap.add_argument("--newton", default="1")
     ap.add_argument("--sparse", action="store_true", help="time attend over a shuffled full page list")
+    ap.add_argument("--pages", type=int, default=0,
+                    help="with --sparse: keep only the first N pages of each shuffled list (a top-k-sized selection)")
     ap.add_argument("--variants", default=None, metavar="BT,WARPS,STAGES;...",
                     help="(BLOCK_T, num_warps, num_stages) triples to time instead of the built-in list")
     args = ap.parse_args(argv)
@@ -53,7 +56,12 @@ def main(argv=None):
             full = select_full(q, cache, ids)
             gen = torch.Generator(device="cuda").manual_seed(1)
             perm = torch.argsort(torch.rand(full.pages.shape, device="cuda", generator=gen), dim=-1)
-            sel = Selection(torch.gather(full.pages, -1, perm.to(torch.int32)).contiguous(), full.counts)
+            pages = torch.gather(full.pages, -1, perm.to(torch.int32)).contiguous()
+            if args.pages:
+                pages = pages[..., :args.pages].contiguous()
+                sel = Selection(pages, torch.full_like(full.counts, pages.shape[-1]))
+            else:
+                sel = Selection(pages, full.counts)
         variants = VARIANTS["dot" if ng >= 2 else "one_head"]
         if args.variants:
             variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]

@@ -243,6 +243,35 @@ def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
             assert (r[sorted(kept - {last})] == t).sum() >= 2  # really ties at the threshold
 
 
+@pytest.mark.parametrize("H,hg", [(6, None), (12, 4), (5, 8), (4, 1)], ids=["h6", "h12-hg4", "h5-masked", "h4-hg1"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+def test_topk_keys_pass_head_groups(H, hg, prefetch, monkeypatch):
+    """_keys_kernel steps over (page block, head group): H = 6 and 12 read
+    runs of 2 / 4 heads (3 groups), H = 5 one masked run of 8, HG = 1 one head
+    per step; with PREFETCH the next step's metadata is loaded first (and the
+    step past the program's last must not leak into its keys). Keys (the
+    selection) and the certified upper bounds (u + slack) against the reference."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    tune = {"PREFETCH": prefetch, "BLOCK_M": 4, "KCH": 8}
+    if hg is not None:
+        tune["HG"] = hg
+    monkeypatch.setattr(tk, "KEYS_TUNE", tune)
+    cache, ids, q, sl = setup([900, 3, 455], H, 1, 24, 4, torch.float16, seed=13, slopes=True)
+    pol = TopK(32, sinks=1, window=1)
+    M = cache.block_table.shape[1]
+    ub = torch.full((3, H, M), float("nan"), device=DEV)
+    sel = tk.select_topk(q, cache, ids, budget=32, sinks=1, window=1, scale=0.3, slopes=sl, ub=ub)
+    ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    assert page_sets(sel) == page_sets(ref)
+    want = (RS.quest_bounds(q, cache, ids, scale=0.3, slopes=sl)
+            + RS.bound_slack(q, cache, ids, scale=0.3, slopes=sl)).cpu()
+    got = ub.cpu()
+    live = torch.isfinite(want)
+    assert torch.equal(live, torch.isfinite(got))
+    torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-4)
+
+
 def test_topk_all_heads_with_unpacked_statistics():
     """A cache whose k_min / k_max are separate tensors (not views of k_bounds,
     e.g. built by another framework): the all-heads pass takes the pair's

@@ -64,9 +64,10 @@ def kv_strides(cache):
 
 
 def as_slopes(slopes, HQ: int, device) -> torch.Tensor:
-    """float32 [HQ] slopes (a 1-element dummy when there are none)."""
+    """float32 [HQ] slopes (an unread 1-element dummy when there are none:
+    torch.empty, so the decode step launches no fill for it)."""
     if slopes is None:
-        return torch.zeros(1, dtype=torch.float32, device=device)
+        return torch.empty(1, dtype=torch.float32, device=device)
     return slopes.to(device=device, dtype=torch.float32).contiguous()
 
 

@@ -547,7 +547,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
             NCH=NCH, NCH_P2=nch_p2, NCS=NCS, NCS_P2=ncs_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
             BETA_KIND=bk, ITERS=SCALAR_ITERS, num_warps=4,
         )
-    pages = torch.zeros(B, S, M, dtype=torch.int32, device=dev)
+    pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
     tau_hat = torch.empty(B, HQ, dtype=torch.float32, device=dev)
     _select_kernel[(B * S, NCH)](

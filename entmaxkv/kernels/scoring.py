@@ -168,26 +168,6 @@ def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, pos_q, kvh
 
 
 @triton.jit
-def head_pairs(ptr, phys, m_v, stride_mp, stride_mh, half_off,
-               H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The statistic pair (k_min, k_max) or (k_mean, k_std) of *every* KV head
-    of pages ``phys`` [BLOCK_M]: float32 [BLOCK_M, HP, 2, BLOCK_D], 0 where
-    masked. ``half_off`` = element offset of the second statistic from the
-    first. With the cache's packed layout one page's H * 2 * D values are
-    contiguous, so a program reads long runs instead of one head's 2 * D."""
-    o_h = tl.arange(0, HP)
-    o_2 = tl.arange(0, 2)
-    o_d = tl.arange(0, BLOCK_D)
-    o_in = ((o_h.to(tl.int64) * stride_mh)[:, None, None] + (o_2.to(tl.int64) * half_off)[None, :, None]
-            + o_d[None, None, :])
-    m_in = (o_h < H)[:, None, None] & (o_2 < 2)[None, :, None] & (o_d < D)[None, None, :]
-    o_p = phys * stride_mp
-    b = tl.load(ptr + o_p[:, None, None, None] + o_in[None, :, :, :],
-                mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0)
-    return b.to(tl.float32)
-
-
-@triton.jit
 def kv_row(q_ptr, slopes_ptr, ids_ptr, lens_ptr, i_r, stride_qb, stride_qh, G,
            H: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
            HAS_ALIBI: tl.constexpr):

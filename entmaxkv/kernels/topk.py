@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ..types import Selection
 from ._common import as_slopes, cdiv, interpreting, next_pow2, num_sms
-from .scoring import head_pairs, load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
+from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
 # Score all heads of a page in one program when there is one query head per KV
@@ -55,6 +55,11 @@ PREFILTER = True
 # Groups per row behind the pre-filter's lower bound (each chunk program finds
 # the k-th largest of them: more groups, a tighter bound, more work per chunk).
 GMAX_GROUPS = 512
+# Values one kth_largest round of a 4-warp program may compare at once
+# (R thresholds x N keys; the 8-warp merge takes twice as many). 1: bisection.
+SEARCH_REGS = 16384
+# keys_plan overrides (BLOCK_M, KCH, HG, PREFETCH, WARPS), for sweeps.
+KEYS_TUNE: dict = {}
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
 
@@ -80,16 +85,24 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
 
 
 def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
-    """_keys_kernel blocks: BLOCK_M pages x all heads per step (about 16K
-    values in registers), KCH pages per program, at least 4 programs per SM."""
-    per_page = next_pow2(H) * 2 * next_pow2(D)
+    """_keys_kernel blocks: BLOCK_M pages x HG heads per step (about 16K
+    values in registers), KCH pages per program, at least 4 programs per SM.
+    ``KEYS_TUNE`` (benchmarks/tune_keys.py) overrides any entry."""
+    hp = next_pow2(H)
+    hg = H & -H  # the largest power of two dividing H: unmasked contiguous runs
+    if hg * 4 < hp:
+        hg = hp  # few heads per run: one masked step over all heads instead
+    per_page = hg * 2 * next_pow2(D)
     block_m = max(1, min(32, 16384 // per_page))
     if interpreting():
         block_m = min(block_m, 16)
     kch = block_m
     while kch < 1024 and B * cdiv(MK, kch * 2) >= 4 * sms:
         kch *= 2
-    return dict(BLOCK_M=block_m, KCH=kch, WARPS=8 if block_m * per_page >= 8192 else 4)
+    plan = dict(BLOCK_M=block_m, KCH=kch, HG=hg, PREFETCH=False,
+                WARPS=8 if block_m * per_page >= 8192 else 4)
+    plan.update(KEYS_TUNE)
+    return plan
 
 
 def half_offset(first: torch.Tensor, second: torch.Tensor) -> int:
@@ -110,19 +123,38 @@ def sortable_key(x):
 
 
 @triton.jit
-def kth_largest(keys, K):
-    """Largest T with count(keys >= T) >= K (int32), by bisection on the key
-    bits between the smallest and largest key (about 24 steps for keys within
-    a few binades, at most 32); keys need not be valid for K <= 0."""
+def kth_largest(keys, K, R: tl.constexpr = 1):
+    """Largest T with count(keys >= T) >= K (int32) for keys [N], by search on
+    the key bits between the smallest and largest key. Each round counts the
+    keys at or above R evenly spaced thresholds at once (one [R, N] reduction)
+    and shrinks the range (R + 1)-fold: 8 rounds for R = 16 where plain
+    bisection (R = 1) takes about 24. The rounds are latency-bound (a
+    cross-warp reduction each), so fewer, wider rounds are faster as long as
+    R * N values fit in registers. Keys need not be valid for K <= 0."""
     lo = tl.min(keys, axis=0).to(tl.int64)
     hi = tl.max(keys, axis=0).to(tl.int64)
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        c = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32))
-        ge = c >= K
-        lo = tl.where(ge, mid, lo)
-        hi = tl.where(ge, hi, mid - 1)
+    if R == 1:
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            c = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32))
+            ge = c >= K
+            lo = tl.where(ge, mid, lo)
+            hi = tl.where(ge, hi, mid - 1)
+    else:
+        o_r = tl.arange(0, R).to(tl.int64) + 1
+        while lo < hi:
+            step = (hi - lo + R) // (R + 1)  # >= 1 while lo < hi
+            mids = tl.minimum(lo + step * o_r, hi)  # [R], increasing
+            c = tl.sum((keys[None, :] >= mids.to(tl.int32)[:, None]).to(tl.int32), axis=1)
+            ge = c >= K  # true for a prefix of the thresholds
+            lo = tl.max(tl.where(ge, mids, lo), axis=0)
+            hi = tl.min(tl.where(ge, hi, mids - 1), axis=0)
     return lo.to(tl.int32)
+
+
+def search_width(n: int, budget: int) -> int:
+    """Thresholds per kth_largest round for n keys: R * n <= budget values, R <= 16."""
+    return max(1, min(16, budget // max(n, 1)))
 
 
 @triton.jit
@@ -142,51 +174,84 @@ def row_budget(n, sinks, window, k_pages, P: tl.constexpr):
 
 
 @triton.jit
+def _keys_load(kmin_ptr, bt_ptr, seq, n, s, i_c, stride_mp, stride_mh, o_in, m_in, M, live,
+               P: tl.constexpr, KCH: tl.constexpr, BLOCK_M: tl.constexpr, HG: tl.constexpr,
+               NHG: tl.constexpr):
+    """Metadata of step s of a _keys_kernel program: pages i_c * KCH +
+    (s // NHG) * BLOCK_M + [0, BLOCK_M), heads (s % NHG) * HG + [0, HG), as
+    stored ([BLOCK_M, HG, 2, BLOCK_D], 0 where masked or not ``live``), with
+    the pages' logical index, valid mask and token count."""
+    o_m = i_c * KCH + (s // NHG) * BLOCK_M + tl.arange(0, BLOCK_M)
+    phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
+    m_v = m_v & live
+    h0 = (s % NHG) * HG
+    p = kmin_ptr + (phys * stride_mp + h0 * stride_mh)[:, None, None, None] + o_in[None, :, :, :]
+    b_raw = tl.load(p, mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0)
+    return b_raw, o_m, m_v, n_tok
+
+
+@triton.jit
 def _keys_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
     M, MK, sinks, window, k_pages,
-    H: tl.constexpr, HP: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
-    (one query head per KV head): each page's metadata of every head is read
-    as one contiguous run. Keys go to key_ptr[(b * H + h) * MK + page]
-    (INT32_MIN past the end, up to MK = NCH * CH), in the layout
-    _chunk_kernel reads with KEYS_READY."""
+    (one query head per KV head): each page's metadata of HG heads is read as
+    one contiguous run (HG a power of two dividing H, or next_pow2(H) masked),
+    one (page block, head group) per step; with PREFETCH the next step's
+    metadata is loaded before this step's keys are computed. Keys go to
+    key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
+    MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY."""
     i_b = tl.program_id(0)
     i_c = tl.program_id(1)
     KCH: tl.constexpr = NSUB * BLOCK_M
+    NHG: tl.constexpr = (H + HG - 1) // HG
+    NSTEP: tl.constexpr = NSUB * NHG
     seq = tl.load(ids_ptr + i_b).to(tl.int64)
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
-    o_h = tl.arange(0, HP)
-    m_h = o_h < H
+    o_g = tl.arange(0, HG)
     o_2 = tl.arange(0, 2)
     o_d = tl.arange(0, BLOCK_D)
-    m_qd = m_h[:, None] & (o_d < D)[None, :]
-    b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
-                  mask=m_qd, other=0.0).to(tl.float32)
-    # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
-    b_qq = tl.where((o_2 == 0)[None, :, None], tl.minimum(b_q, 0.0)[:, None, :], tl.maximum(b_q, 0.0)[:, None, :])
-    if HAS_ALIBI:
-        b_sl = tl.load(slopes_ptr + o_h, mask=m_h, other=0.0)
-    o_row = (i_b * H + o_h).to(tl.int64)
-    o_m = i_c * KCH + tl.arange(0, BLOCK_M)
-    phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
-    for j in range(NSUB):
-        o_m_nx = o_m + BLOCK_M
-        phys_nx, m_v_nx, n_tok_nx = page_rows(bt_ptr, seq, n, o_m_nx, M, P)
-        b_k = head_pairs(kmin_ptr, phys, m_v, stride_mp, stride_mh, half_off, H, HP, D, BLOCK_D)
-        b_u = tl.sum(tl.sum(b_k * b_qq[None, :, :, :], axis=3), axis=2) * scale  # [BLOCK_M, HP]
+    o_in = ((o_g.to(tl.int64) * stride_mh)[:, None, None] + (o_2.to(tl.int64) * half_off)[None, :, None]
+            + o_d[None, None, :])
+    m_d = o_d < D
+    if PREFETCH:
+        b_raw, o_m, m_v, n_tok = _keys_load(kmin_ptr, bt_ptr, seq, n, 0, i_c, stride_mp, stride_mh, o_in,
+                                            (o_g < H)[:, None, None] & (o_2 < 2)[None, :, None]
+                                            & m_d[None, None, :], M, True, P, KCH, BLOCK_M, HG, NHG)
+    for s in range(NSTEP):
+        o_h = (s % NHG) * HG + o_g
+        m_h = o_h < H
+        if PREFETCH:
+            m_nx = ((s + 1) % NHG * HG + o_g < H)[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
+            nx = _keys_load(kmin_ptr, bt_ptr, seq, n, s + 1, i_c, stride_mp, stride_mh, o_in, m_nx, M,
+                            s + 1 < NSTEP, P, KCH, BLOCK_M, HG, NHG)
+        else:
+            m_in = m_h[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
+            b_raw, o_m, m_v, n_tok = _keys_load(kmin_ptr, bt_ptr, seq, n, s, i_c, stride_mp, stride_mh, o_in,
+                                                m_in, M, True, P, KCH, BLOCK_M, HG, NHG)
+        b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
+                      mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
+        b_qq = tl.where((o_2 == 0)[None, :, None], tl.minimum(b_q, 0.0)[:, None, :],
+                        tl.maximum(b_q, 0.0)[:, None, :])
+        b_k = b_raw.to(tl.float32)
+        b_u = tl.sum(tl.sum(b_k * b_qq[None, :, :, :], axis=3), axis=2) * scale  # [BLOCK_M, HG]
         if HAS_ALIBI:
+            b_sl = tl.load(slopes_ptr + o_h, mask=m_h, other=0.0)
             pos_q = n - 1
             rel_first = (o_m * P - pos_q).to(tl.float32)
             rel_last = (o_m * P + n_tok - 1 - pos_q).to(tl.float32)
             b_u += tl.maximum(rel_first[:, None] * b_sl[None, :], rel_last[:, None] * b_sl[None, :])
         b_u = tl.where(m_v[:, None], b_u, float("-inf"))
+        o_row = (i_b * H + o_h).to(tl.int64)
         if WRITE_UB:  # the certified policy's safe bound: u + rounding slack (scoring.bound_slack)
-            b_kabs = tl.max(tl.abs(b_k), axis=2)  # [BLOCK_M, HP, BLOCK_D]
+            b_kabs = tl.max(tl.abs(b_k), axis=2)  # [BLOCK_M, HG, BLOCK_D]
             b_mag = tl.sum(b_kabs * tl.abs(b_q)[None, :, :], axis=2) * scale
             if HAS_ALIBI:
                 b_mag += tl.abs(b_sl)[None, :] * (n + 1).to(tl.float32)
@@ -197,7 +262,8 @@ def _keys_kernel(
         b_rank = tl.where(forced[:, None], float("inf"), b_u)
         b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
         tl.store(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, mask=(o_m < MK)[:, None] & m_h[None, :])
-        o_m, phys, m_v, n_tok = o_m_nx, phys_nx, m_v_nx, n_tok_nx
+        if PREFETCH:
+            b_raw, o_m, m_v, n_tok = nx
 
 
 @triton.jit
@@ -222,6 +288,7 @@ def _chunk_kernel(
     HQ, G, M, W, sinks, window, k_pages,
     S: tl.constexpr, NG: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     NKP: tl.constexpr, NKP_P2: tl.constexpr, PREFILTER: tl.constexpr,
+    LB_R: tl.constexpr, FB_R: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr, KEYS_READY: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
@@ -276,7 +343,7 @@ def _chunk_kernel(
         # lb is ever kept. (Fewer than k_row groups at or above it: no filter.)
         o_p = tl.arange(0, NKP_P2)
         b_gm = tl.load(gmax_ptr + i_r.to(tl.int64) * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-        lb = kth_largest(b_gm, k_row)
+        lb = kth_largest(b_gm, k_row, LB_R)
         lb = tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN)
     else:
         lb = tl.full([], INT32_MIN, tl.int32)
@@ -288,7 +355,7 @@ def _chunk_kernel(
         # more than k_row survivors: the chunk's k_row-th key (>= lb) by
         # bisection on the key bits between lb and the largest key, then every
         # key above it and ties at it up to k_row pages
-        T = kth_largest(tl.maximum(b_key, lb), k_row)
+        T = kth_largest(tl.maximum(b_key, lb), k_row, FB_R)
         m_gt = m_ok & (b_key > T)
         m_eq = m_ok & (b_key == T)
         n_gt = tl.sum(m_gt.to(tl.int32))
@@ -332,7 +399,7 @@ def _merge_kernel(
     ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr, lb_ptr,
     W, sinks, window, k_pages,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_W: tl.constexpr, S: tl.constexpr,
-    P: tl.constexpr, ONE_TILE: tl.constexpr,
+    P: tl.constexpr, ONE_TILE: tl.constexpr, MR: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_b = i_r // S
@@ -355,7 +422,7 @@ def _merge_kernel(
         # every candidate is >= the chunks' lower bound lb on the row's k_row-th
         # key: bisect between lb and the largest key (empty slots read as lb)
         lb = tl.load(lb_ptr + i_r)
-        T = kth_largest(tl.reshape(tl.where(m_w, b_key, lb), [N]), k_row)
+        T = kth_largest(tl.reshape(tl.where(m_w, b_key, lb), [N]), k_row, MR)
         n_gt = tl.sum(tl.sum((m_w & (b_key > T)).to(tl.int32), axis=1), axis=0)
         _n_eq, n_out = _emit(b_key, b_page, m_w, T, k_row, n_gt, zero, zero, p_out, NCH_P2, BLOCK_W)
     else:
@@ -449,7 +516,7 @@ def select_topk(
     smp, smh = meta_strides(cache)
     sl = as_slopes(slopes, HQ, dev)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
-    pages = torch.zeros(B, S, W, dtype=torch.int32, device=dev)
+    pages = torch.empty(B, S, W, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.empty(B, S, dtype=torch.int32, device=dev)
     keys = torch.empty(B * S * NCH * CH, dtype=torch.int32, device=dev)
     if NCH > 1:
@@ -469,9 +536,10 @@ def select_topk(
             q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if write_ub else keys,
             float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
             M, NCH * CH, int(sinks), int(window), k_pages,
-            H=H, HP=next_pow2(H), P=P, D=D, BLOCK_D=next_pow2(D),
+            H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
             BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-            HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, num_warps=kp["WARPS"],
+            HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, PREFETCH=kp["PREFETCH"],
+            num_warps=kp["WARPS"],
         )
     if prefilter:
         # about GMAX_GROUPS groups per row (powers of two: GS divides CH)
@@ -487,7 +555,8 @@ def select_topk(
         float(scale), q.stride(0), q.stride(1), smp, smh,
         HQ, G, M, W, int(sinks), int(window), k_pages,
         S=S, NG=NG, NCH=NCH, P=P, D=D, NKP=NKP, NKP_P2=next_pow2(NKP),
-        PREFILTER=prefilter,
+        PREFILTER=prefilter, LB_R=search_width(next_pow2(NKP), SEARCH_REGS),
+        FB_R=search_width(CH, SEARCH_REGS),
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
         HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
@@ -501,6 +570,7 @@ def select_topk(
             ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
             W, int(sinks), int(window), k_pages,
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
+            MR=search_width(nch_p2 * block_w, 2 * SEARCH_REGS),
             num_warps=8,
         )
     return Selection(pages, counts)

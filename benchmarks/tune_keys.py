@@ -1,0 +1,134 @@
+"""Sweep of the all-heads Quest keys pass (``topk._keys_kernel``).
+
+For each configuration, times (CUDA graph, L2 flushed, median) a plain Triton
+read of the whole k_min/k_max table (the achievable read bandwidth of the
+metadata, no block table) and then the whole top-k selection with each
+``keys_plan`` override (BLOCK_M, KCH, HG, PREFETCH, WARPS), next to the
+default plan. Prints one line per variant: selection ms, and the keys pass
+alone in ms and TB/s. The chosen values go into ``topk.keys_plan`` by hand.
+
+    PYTHONPATH=.:benchmarks python benchmarks/tune_keys.py --configs paper_128k,paper_b1_2m
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from bench_decode import CONFIGS, build, capture, time_graph  # noqa: E402
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Largest element of STEPS * BLOCK contiguous values per program (a pure read)."""
+    i = tl.program_id(0).to(tl.int64)
+    acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    for s in range(STEPS):
+        o = (i * STEPS + s) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.load(x_ptr + o, mask=o < N, other=0.0).to(tl.float32))
+    tl.store(out_ptr + i, tl.max(acc, axis=0))
+
+
+def parse_variants(text):
+    """'BLOCK_M,KCH,HG,PREFETCH,WARPS;...' -> list of dicts."""
+    out = []
+    for v in text.split(";"):
+        bm, kch, hg, pf, w = (int(x) for x in v.split(","))
+        out.append(dict(BLOCK_M=bm, KCH=kch, HG=hg, PREFETCH=bool(pf), WARPS=w))
+    return out
+
+
+def grid():
+    """The built-in sweep for 24 heads of dim 32 (HG 8: three unmasked runs;
+    HG 32: one masked run, the layout before head groups)."""
+    out = []
+    for bm, hg, pf, w in itertools.product((4, 8, 16, 32), (8, 32), (False, True), (4, 8)):
+        if bm * hg * 64 > 16384 or bm * hg * 64 < 2048:
+            continue
+        for kch in (32, 128, 512):
+            if kch >= bm:
+                out.append(dict(BLOCK_M=bm, KCH=kch, HG=hg, PREFETCH=pf, WARPS=w))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="paper_128k,paper_b1_2m")
+    ap.add_argument("--variants", default=None, metavar="BM,KCH,HG,PF,WARPS;...")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    from entmaxkv.kernels import topk as T
+
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    variants = parse_variants(args.variants) if args.variants else grid()
+    for cname in args.configs.split(","):
+        cfg = CONFIGS[cname]
+        B, n, HQ, H, D, dtype, P = cfg
+        cache, ids, q, k4, v4 = build(cfg)
+        del k4, v4
+        scale = 1 / math.sqrt(D)
+        meta = cache.k_bounds
+        nbytes = meta.numel() * meta.element_size()
+        N = meta.numel()
+        for block, steps in ((4096, 8), (8192, 4), (2048, 16)):
+            out = torch.empty(triton.cdiv(N, block * steps), device="cuda")
+            g, _ = capture(lambda: _read_kernel[(out.numel(),)](meta, out, N, BLOCK=block, STEPS=steps,
+                                                                num_warps=8))
+            ms, _ = time_graph(g, flush, 5, args.reps)
+            print(f"{cname:12s} read   block {block} x {steps}: {ms * 1e3:7.1f} us "
+                  f"{nbytes / ms / 1e9:5.2f} TB/s ({nbytes / 2**20:.0f} MiB)", flush=True)
+        for v in [None] + variants:
+            T.KEYS_TUNE.clear()
+            if v is not None:
+                T.KEYS_TUNE.update(v)
+            name = "default" if v is None else ",".join(f"{k}={int(x)}" for k, x in v.items())
+            try:
+                g, _ = capture(lambda: T.select_topk(q, cache, ids, budget=1024, scale=scale))
+                ms, _ = time_graph(g, flush, 5, args.reps)
+                del g
+                keys_ms, kp = time_keys(T, q, cache, ids, scale, flush, args.reps)
+                print(f"{cname:12s} {name:55s} select {ms * 1e3:7.1f} us  keys {keys_ms * 1e3:7.1f} us "
+                      f"{nbytes / keys_ms / 1e9:5.2f} TB/s  plan {kp}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(cname, name, "ERROR", str(exc)[:300], flush=True)
+        T.KEYS_TUNE.clear()
+        torch.cuda.empty_cache()
+
+
+def time_keys(T, q, cache, ids, scale, flush, reps):
+    """(median ms, plan) of _keys_kernel alone, launched as select_topk launches it."""
+    from entmaxkv.kernels._common import as_slopes, cdiv, next_pow2, num_sms
+    from entmaxkv.kernels.scoring import meta_strides
+
+    B, HQ, D = q.shape
+    H, P = cache.kv_heads, cache.page_size
+    M = cache.block_table.shape[1]
+    k_pages, W = T.topk_width(M, P, 1024, 0, 0)
+    cfg = T.topk_plan(M, W, 1, D, q.dtype, cache.dtype, B * H, num_sms(q.device), cap=T.SELECT_CH)
+    MK = cfg["NCH"] * cfg["CH"]
+    kp = T.keys_plan(B, MK, H, D, num_sms(q.device))
+    keys = torch.empty(B * H * MK, dtype=torch.int32, device=q.device)
+    smp, smh = meta_strides(cache)
+    sl = as_slopes(None, HQ, q.device)
+
+    def launch():
+        T._keys_kernel[(B, cdiv(MK, kp["KCH"]))](
+            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, keys,
+            float(scale), q.stride(0), q.stride(1), smp, smh, T.half_offset(cache.k_min, cache.k_max),
+            M, MK, 0, 0, k_pages,
+            H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
+            BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
+            HAS_ALIBI=False, WRITE_UB=False, PREFETCH=kp["PREFETCH"], num_warps=kp["WARPS"],
+        )
+
+    g, _ = capture(launch)
+    ms, _ = time_graph(g, flush, 5, reps)
+    return ms, kp
+
+
+if __name__ == "__main__":
+    main()
