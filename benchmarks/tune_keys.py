@@ -3,7 +3,7 @@
 For each configuration, times (CUDA graph, L2 flushed, median) a plain Triton
 read of the whole k_min/k_max table (the achievable read bandwidth of the
 metadata, no block table) and then the whole top-k selection with each
-``keys_plan`` override (BLOCK_M, KCH, HG, PREFETCH, WARPS), next to the
+``keys_plan`` override (BLOCK_M, KCH, HG, WARPS), next to the
 default plan. Prints one line per variant: selection ms, and the keys pass
 alone in ms and TB/s. The chosen values go into ``topk.keys_plan`` by hand.
 
@@ -34,11 +34,11 @@ def _read_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, STEPS: tl.constexpr):
 
 
 def parse_variants(text):
-    """'BLOCK_M,KCH,HG,PREFETCH,WARPS;...' -> list of dicts."""
+    """'BLOCK_M,KCH,HG,WARPS;...' -> list of dicts."""
     out = []
     for v in text.split(";"):
-        bm, kch, hg, pf, w = (int(x) for x in v.split(","))
-        out.append(dict(BLOCK_M=bm, KCH=kch, HG=hg, PREFETCH=bool(pf), WARPS=w))
+        bm, kch, hg, w = (int(x) for x in v.split(","))
+        out.append(dict(BLOCK_M=bm, KCH=kch, HG=hg, WARPS=w))
     return out
 
 
@@ -46,19 +46,19 @@ def grid():
     """The built-in sweep for 24 heads of dim 32 (HG 8: three unmasked runs;
     HG 32: one masked run, the layout before head groups)."""
     out = []
-    for bm, hg, pf, w in itertools.product((4, 8, 16, 32), (8, 32), (False, True), (4, 8)):
+    for bm, hg, w in itertools.product((4, 8, 16, 32), (8, 32), (4, 8)):
         if bm * hg * 64 > 16384 or bm * hg * 64 < 2048:
             continue
         for kch in (32, 128, 512):
             if kch >= bm:
-                out.append(dict(BLOCK_M=bm, KCH=kch, HG=hg, PREFETCH=pf, WARPS=w))
+                out.append(dict(BLOCK_M=bm, KCH=kch, HG=hg, WARPS=w))
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="paper_128k,paper_b1_2m")
-    ap.add_argument("--variants", default=None, metavar="BM,KCH,HG,PF,WARPS;...")
+    ap.add_argument("--variants", default=None, metavar="BM,KCH,HG,WARPS;...")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
     from entmaxkv.kernels import topk as T
@@ -122,7 +122,7 @@ def time_keys(T, q, cache, ids, scale, flush, reps):
             M, MK, 0, 0, k_pages,
             H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
             BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-            HAS_ALIBI=False, WRITE_UB=False, PREFETCH=kp["PREFETCH"], num_warps=kp["WARPS"],
+            HAS_ALIBI=False, WRITE_UB=False, num_warps=kp["WARPS"],
         )
 
     g, _ = capture(launch)

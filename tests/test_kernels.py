@@ -200,15 +200,19 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
 
 
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
-@pytest.mark.parametrize("prefilter", [True, False], ids=["prefilter", "no-prefilter"])
+@pytest.mark.parametrize("prefilter", ["fused-lb", "lb-kernel", "none"])
 def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
     """Long MHA rows, small budget: more group maxima (_keys_kernel programs)
     than pages kept, so _chunk_kernel drops every page below the k-th largest
     group maximum. iid: few survivors per chunk (no bisection); clustered: the
     best pages crowd into one chunk (more survivors than k there: the
     bisection fallback); ties: 300 pages share the top bound, so which pages
-    are kept is arbitrary but they must be k_row pages of the top rank."""
-    monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "PREFILTER", prefilter)
+    are kept is arbitrary but they must be k_row pages of the top rank.
+    The bound comes from _gmax_kernel (a row per program) or _lb_kernel."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    monkeypatch.setattr(tk, "PREFILTER", prefilter != "none")
+    if prefilter == "lb-kernel":
+        monkeypatch.setattr(tk, "LB_FUSE_KEYS", 0)
     gen = torch.Generator().manual_seed(21)
     B, n, H, D, P = 2, 4000, 2, 16, 4
     k = torch.randn(B, n, H, D, generator=gen)
@@ -244,15 +248,13 @@ def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
 
 
 @pytest.mark.parametrize("H,hg", [(6, None), (12, 4), (5, 8), (4, 1)], ids=["h6", "h12-hg4", "h5-masked", "h4-hg1"])
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
-def test_topk_keys_pass_head_groups(H, hg, prefetch, monkeypatch):
+def test_topk_keys_pass_head_groups(H, hg, monkeypatch):
     """_keys_kernel steps over (page block, head group): H = 6 and 12 read
     runs of 2 / 4 heads (3 groups), H = 5 one masked run of 8, HG = 1 one head
-    per step; with PREFETCH the next step's metadata is loaded first (and the
-    step past the program's last must not leak into its keys). Keys (the
-    selection) and the certified upper bounds (u + slack) against the reference."""
+    per step; several programs per row (KCH = 8). Keys (the selection) and
+    the certified upper bounds (u + slack) against the reference."""
     tk = sys.modules["entmaxkv.kernels.topk"]
-    tune = {"PREFETCH": prefetch, "BLOCK_M": 4, "KCH": 8}
+    tune = {"BLOCK_M": 4, "KCH": 8}
     if hg is not None:
         tune["HG"] = hg
     monkeypatch.setattr(tk, "KEYS_TUNE", tune)

@@ -86,6 +86,14 @@ SPLIT_FACTOR = 8
 # of shared memory, one program per SM, so a partial last wave costs a whole
 # program's time (4 x 32k GQA: 2 per SM 0.169 ms, 8 per SM 0.229 ms).
 DOT_ENTMAX_PER_SM = 2
+# Short selections on the one-head path (at most SMALL_SEL_TOKENS tokens per
+# row, head dim <= 64) with fewer rows than SMs are latency-bound: 32-token tiles, 1 warp,
+# 2 stages, SMALL_SEL_FACTOR programs per SM (results/tune_sparse64.log:
+# 64 pages at 1 x 2M, softmax 13.0 -> 11.1 us, entmax 25.4 -> 21.6 us). With
+# more rows (8 x 128k) only softmax gains (19.2 -> 18.4 us).
+SMALL_SEL_TOKENS = 2048
+SMALL_SEL = (32, 1, 2)
+SMALL_SEL_FACTOR = 16
 
 
 def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool, itemsize: int = 2,
@@ -118,16 +126,20 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         else:  # through a page list: 256 x 8 measured 1.3x faster than 512 x 8 there
             block_t, warps = max(16, min(256, 8192 // block_d)), 8
         stages = 3
+    rows = B * S
+    factor = SPLIT_FACTOR
+    if (not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
+            and (softmax or rows < num_sms(device))):
+        (block_t, warps, stages), factor = SMALL_SEL, SMALL_SEL_FACTOR
     key = (NG, D, softmax)
     if key in TUNE:
-        block_t, warps, stages = TUNE[key]
+        (block_t, warps, stages), factor = TUNE[key], SPLIT_FACTOR
     if interpreting():
         block_t = min(block_t, 32)
-    rows = B * S
     if use_dot and not softmax:
         want = max(1, int(DOT_ENTMAX_PER_SM * num_sms(device)) // rows)
     else:
-        want = cdiv(max(1, int(SPLIT_FACTOR * num_sms(device))), rows)
+        want = cdiv(max(1, int(factor * num_sms(device))), rows)
     tokens = W * P
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t,

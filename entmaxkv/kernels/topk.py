@@ -10,11 +10,13 @@ rank +inf, pages past the end are never kept. Each row keeps its
 max(budget // P, forced) best pages. No sort and no torch.topk:
 
 0. ``_keys_kernel`` (grid B x page blocks; one query head per KV head only):
-   the rank keys of every head of a page from one contiguous read of its
-   k_min/k_max (packed cache layout), written to a [B*S, NCH*CH] key table;
-   then ``_gmax_kernel`` (grid B*S x group blocks): the largest key of each of
-   about GMAX_GROUPS page groups per row. The K-th largest group maximum lb
-   is a lower bound on the row's K-th key (the pre-filter).
+   the rank keys of a block of pages for a group of heads per step, from
+   contiguous reads of their k_min/k_max (packed cache layout), written to a
+   [B*S, NCH*CH] key table; then ``_gmax_kernel`` (grid B*S x group blocks):
+   the largest key of each of about GMAX_GROUPS page groups per row. The K-th
+   largest group maximum lb is a lower bound on the row's K-th key (the
+   pre-filter); it is found once per row, by ``_gmax_kernel`` itself when a
+   row fits one program, else by ``_lb_kernel``.
 1. ``_chunk_kernel`` (grid B*S x NCH): otherwise scores CH pages
    (CH = NSUB * BLOCK_M) of one row from k_min/k_max and maps each rank to an
    int32 key with the same order. With the pre-filter, a chunk with at most
@@ -55,11 +57,16 @@ PREFILTER = True
 # Groups per row behind the pre-filter's lower bound (each chunk program finds
 # the k-th largest of them: more groups, a tighter bound, more work per chunk).
 GMAX_GROUPS = 512
-# Values one kth_largest round of a 4-warp program may compare at once
-# (R thresholds x N keys; the 8-warp merge takes twice as many). 1: bisection.
-SEARCH_REGS = 16384
-# keys_plan overrides (BLOCK_M, KCH, HG, PREFETCH, WARPS), for sweeps.
+# Pages per _keys_kernel program.
+KEYS_CH = 32
+# keys_plan overrides (BLOCK_M, KCH, HG, WARPS), for sweeps.
 KEYS_TUNE: dict = {}
+# Key-table rows up to this many keys: _gmax_kernel holds a row in one
+# program and finds lb itself (no _lb_kernel launch).
+LB_FUSE_KEYS = 16384
+# Warps of _lb_kernel (its bisection over ~512 maxima is latency-bound: one
+# warp reduces with shuffles only).
+LB_WARPS = 1
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
 
@@ -86,8 +93,9 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
 
 def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
     """_keys_kernel blocks: BLOCK_M pages x HG heads per step (about 16K
-    values in registers), KCH pages per program, at least 4 programs per SM.
-    ``KEYS_TUNE`` (benchmarks/tune_keys.py) overrides any entry."""
+    values in registers), KEYS_CH pages per program (many short programs:
+    a small last wave; results/tune_keys.log). ``KEYS_TUNE``
+    (benchmarks/tune_keys.py) overrides any entry."""
     hp = next_pow2(H)
     hg = H & -H  # the largest power of two dividing H: unmasked contiguous runs
     if hg * 4 < hp:
@@ -96,13 +104,17 @@ def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
     block_m = max(1, min(32, 16384 // per_page))
     if interpreting():
         block_m = min(block_m, 16)
-    kch = block_m
-    while kch < 1024 and B * cdiv(MK, kch * 2) >= 4 * sms:
-        kch *= 2
-    plan = dict(BLOCK_M=block_m, KCH=kch, HG=hg, PREFETCH=False,
+    plan = dict(BLOCK_M=block_m, KCH=max(block_m, KEYS_CH), HG=hg,
                 WARPS=8 if block_m * per_page >= 8192 else 4)
     plan.update(KEYS_TUNE)
     return plan
+
+
+def merge_warps(n: int) -> int:
+    """Warps of a merge holding n candidate slots in registers: 1 per 256 (at
+    least 1, at most 8): its bisection is latency-bound, and fewer warps
+    reduce with fewer cross-warp steps."""
+    return max(1, min(8, n // 256))
 
 
 def half_offset(first: torch.Tensor, second: torch.Tensor) -> int:
@@ -123,38 +135,21 @@ def sortable_key(x):
 
 
 @triton.jit
-def kth_largest(keys, K, R: tl.constexpr = 1):
-    """Largest T with count(keys >= T) >= K (int32) for keys [N], by search on
-    the key bits between the smallest and largest key. Each round counts the
-    keys at or above R evenly spaced thresholds at once (one [R, N] reduction)
-    and shrinks the range (R + 1)-fold: 8 rounds for R = 16 where plain
-    bisection (R = 1) takes about 24. The rounds are latency-bound (a
-    cross-warp reduction each), so fewer, wider rounds are faster as long as
-    R * N values fit in registers. Keys need not be valid for K <= 0."""
+def kth_largest(keys, K):
+    """Largest T with count(keys >= T) >= K (int32), by bisection on the key
+    bits between the smallest and largest key (about 24 steps for keys within
+    a few binades, at most 32); keys need not be valid for K <= 0. (Counting
+    several thresholds per step measured slower: with several programs per
+    multiprocessor the search is bound by ALU work, not by its latency.)"""
     lo = tl.min(keys, axis=0).to(tl.int64)
     hi = tl.max(keys, axis=0).to(tl.int64)
-    if R == 1:
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            c = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32))
-            ge = c >= K
-            lo = tl.where(ge, mid, lo)
-            hi = tl.where(ge, hi, mid - 1)
-    else:
-        o_r = tl.arange(0, R).to(tl.int64) + 1
-        while lo < hi:
-            step = (hi - lo + R) // (R + 1)  # >= 1 while lo < hi
-            mids = tl.minimum(lo + step * o_r, hi)  # [R], increasing
-            c = tl.sum((keys[None, :] >= mids.to(tl.int32)[:, None]).to(tl.int32), axis=1)
-            ge = c >= K  # true for a prefix of the thresholds
-            lo = tl.max(tl.where(ge, mids, lo), axis=0)
-            hi = tl.min(tl.where(ge, hi, mids - 1), axis=0)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        c = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32))
+        ge = c >= K
+        lo = tl.where(ge, mid, lo)
+        hi = tl.where(ge, hi, mid - 1)
     return lo.to(tl.int32)
-
-
-def search_width(n: int, budget: int) -> int:
-    """Thresholds per kth_largest round for n keys: R * n <= budget values, R <= 16."""
-    return max(1, min(16, budget // max(n, 1)))
 
 
 @triton.jit
@@ -174,36 +169,19 @@ def row_budget(n, sinks, window, k_pages, P: tl.constexpr):
 
 
 @triton.jit
-def _keys_load(kmin_ptr, bt_ptr, seq, n, s, i_c, stride_mp, stride_mh, o_in, m_in, M, live,
-               P: tl.constexpr, KCH: tl.constexpr, BLOCK_M: tl.constexpr, HG: tl.constexpr,
-               NHG: tl.constexpr):
-    """Metadata of step s of a _keys_kernel program: pages i_c * KCH +
-    (s // NHG) * BLOCK_M + [0, BLOCK_M), heads (s % NHG) * HG + [0, HG), as
-    stored ([BLOCK_M, HG, 2, BLOCK_D], 0 where masked or not ``live``), with
-    the pages' logical index, valid mask and token count."""
-    o_m = i_c * KCH + (s // NHG) * BLOCK_M + tl.arange(0, BLOCK_M)
-    phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
-    m_v = m_v & live
-    h0 = (s % NHG) * HG
-    p = kmin_ptr + (phys * stride_mp + h0 * stride_mh)[:, None, None, None] + o_in[None, :, :, :]
-    b_raw = tl.load(p, mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0)
-    return b_raw, o_m, m_v, n_tok
-
-
-@triton.jit
 def _keys_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
     M, MK, sinks, window, k_pages,
     H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
     (one query head per KV head): each page's metadata of HG heads is read as
     one contiguous run (HG a power of two dividing H, or next_pow2(H) masked),
-    one (page block, head group) per step; with PREFETCH the next step's
-    metadata is loaded before this step's keys are computed. Keys go to
+    one (page block, head group) per step. (Loading the next step's metadata
+    before computing this step's keys measured no faster:
+    results/tune_keys.log.) Keys go to
     key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
     MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY."""
     i_b = tl.program_id(0)
@@ -220,21 +198,16 @@ def _keys_kernel(
     o_in = ((o_g.to(tl.int64) * stride_mh)[:, None, None] + (o_2.to(tl.int64) * half_off)[None, :, None]
             + o_d[None, None, :])
     m_d = o_d < D
-    if PREFETCH:
-        b_raw, o_m, m_v, n_tok = _keys_load(kmin_ptr, bt_ptr, seq, n, 0, i_c, stride_mp, stride_mh, o_in,
-                                            (o_g < H)[:, None, None] & (o_2 < 2)[None, :, None]
-                                            & m_d[None, None, :], M, True, P, KCH, BLOCK_M, HG, NHG)
     for s in range(NSTEP):
-        o_h = (s % NHG) * HG + o_g
+        # step s: pages i_c * KCH + (s // NHG) * BLOCK_M + [0, BLOCK_M), heads o_h
+        h0 = (s % NHG) * HG
+        o_h = h0 + o_g
         m_h = o_h < H
-        if PREFETCH:
-            m_nx = ((s + 1) % NHG * HG + o_g < H)[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
-            nx = _keys_load(kmin_ptr, bt_ptr, seq, n, s + 1, i_c, stride_mp, stride_mh, o_in, m_nx, M,
-                            s + 1 < NSTEP, P, KCH, BLOCK_M, HG, NHG)
-        else:
-            m_in = m_h[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
-            b_raw, o_m, m_v, n_tok = _keys_load(kmin_ptr, bt_ptr, seq, n, s, i_c, stride_mp, stride_mh, o_in,
-                                                m_in, M, True, P, KCH, BLOCK_M, HG, NHG)
+        o_m = i_c * KCH + (s // NHG) * BLOCK_M + tl.arange(0, BLOCK_M)
+        phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
+        p_k = kmin_ptr + (phys * stride_mp + h0 * stride_mh)[:, None, None, None] + o_in[None, :, :, :]
+        m_in = m_h[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
+        b_raw = tl.load(p_k, mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0)
         b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                       mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
         # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
@@ -262,33 +235,64 @@ def _keys_kernel(
         b_rank = tl.where(forced[:, None], float("inf"), b_u)
         b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
         tl.store(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, mask=(o_m < MK)[:, None] & m_h[None, :])
-        if PREFETCH:
-            b_raw, o_m, m_v, n_tok = nx
 
 
 @triton.jit
-def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr):
+def row_lb(b_gm, ids_ptr, lens_ptr, i_r, sinks, window, k_pages, S: tl.constexpr, P: tl.constexpr):
+    """The pre-filter's lower bound on row i_r's k_row-th key from its group
+    maxima b_gm (INT32_MIN where no group): their k_row-th largest. They are
+    keys of distinct pages, so >= k_row pages have key >= lb, the row's
+    k_row-th key is >= lb, and no page below lb is ever kept. With fewer than
+    k_row groups at or above it: INT32_MIN (no filter)."""
+    seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
+    lb = kth_largest(b_gm, k_row)
+    return tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN)
+
+
+@triton.jit
+def _gmax_kernel(key_ptr, gmax_ptr, lb_ptr, ids_ptr, lens_ptr, MK, NKP, sinks, window, k_pages,
+                 S: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr,
+                 WITH_LB: tl.constexpr):
     """The largest key of each group of GS pages of a key-table row
     (gmax[row * NKP + group], NKP = MK // GS groups): the pre-filter's group
-    maxima. A pass of its own: carrying the maxima through _keys_kernel's
-    loop measured 1.25x slower on that pass (146.6 vs 117.2 us at 1 x 2M)."""
+    maxima. With WITH_LB one program holds a whole row (GB >= NKP) and also
+    writes its lower bound lb (row_lb) to lb_ptr; otherwise _lb_kernel does.
+    A pass of its own: carrying the maxima through _keys_kernel's loop
+    measured 1.25x slower on that pass (146.6 vs 117.2 us at 1 x 2M)."""
     i_r = tl.program_id(0).to(tl.int64)
     o_g = tl.program_id(1) * GB + tl.arange(0, GB)
     m_g = o_g < NKP
     b_key = tl.load(key_ptr + i_r * MK + o_g[:, None] * GS + tl.arange(0, GS)[None, :],
                     mask=m_g[:, None], other=INT32_MIN)
-    tl.store(gmax_ptr + i_r * NKP + o_g, tl.max(b_key, axis=1), mask=m_g)
+    b_gm = tl.max(b_key, axis=1)
+    if WITH_LB:
+        tl.store(lb_ptr + i_r, row_lb(b_gm, ids_ptr, lens_ptr, i_r, sinks, window, k_pages, S, P))
+    else:
+        tl.store(gmax_ptr + i_r * NKP + o_g, b_gm, mask=m_g)
+
+
+@triton.jit
+def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
+               S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr):
+    """lb (row_lb) of one row from its NKP group maxima: computed once per row
+    here instead of in each of the row's chunk programs, where the bisection
+    over the maxima was most of _chunk_kernel's work."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_p = tl.arange(0, NKP_P2)
+    b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
+    tl.store(lb_ptr + i_r, row_lb(b_gm, ids_ptr, lens_ptr, i_r, sinks, window, k_pages, S, P))
 
 
 @triton.jit
 def _chunk_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, kmax_ptr,
-    key_ptr, ck_ptr, cp_ptr, cn_ptr, ub_ptr, pages_ptr, counts_ptr, gmax_ptr, lb_ptr,
+    key_ptr, ck_ptr, cp_ptr, cn_ptr, ub_ptr, pages_ptr, counts_ptr, lb_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh,
     HQ, G, M, W, sinks, window, k_pages,
     S: tl.constexpr, NG: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-    NKP: tl.constexpr, NKP_P2: tl.constexpr, PREFILTER: tl.constexpr,
-    LB_R: tl.constexpr, FB_R: tl.constexpr,
+    PREFILTER: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr, KEYS_READY: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
@@ -336,26 +340,16 @@ def _chunk_kernel(
     o_k = tl.arange(0, CH)
     b_key = tl.load(p_key + o_k, cache_modifier=".cg")
     m_ok = b_key > INT32_MIN
-    if PREFILTER:
-        # Pre-filter: lb = the k_row-th largest of the row's NKP group maxima
-        # (_gmax_kernel). They are keys of distinct pages, so >= k_row pages
-        # have key >= lb, the row's k_row-th key is >= lb, and no page below
-        # lb is ever kept. (Fewer than k_row groups at or above it: no filter.)
-        o_p = tl.arange(0, NKP_P2)
-        b_gm = tl.load(gmax_ptr + i_r.to(tl.int64) * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-        lb = kth_largest(b_gm, k_row, LB_R)
-        lb = tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN)
+    if PREFILTER:  # no page below lb (row_lb) is kept
+        lb = tl.load(lb_ptr + i_r)
     else:
         lb = tl.full([], INT32_MIN, tl.int32)
-    if NCH > 1:
-        if i_c == 0:
-            tl.store(lb_ptr + i_r, lb)
     m_in = m_ok & (b_key >= lb)
     if tl.sum(m_in.to(tl.int32)) > k_row:
         # more than k_row survivors: the chunk's k_row-th key (>= lb) by
         # bisection on the key bits between lb and the largest key, then every
         # key above it and ties at it up to k_row pages
-        T = kth_largest(tl.maximum(b_key, lb), k_row, FB_R)
+        T = kth_largest(tl.maximum(b_key, lb), k_row)
         m_gt = m_ok & (b_key > T)
         m_eq = m_ok & (b_key == T)
         n_gt = tl.sum(m_gt.to(tl.int32))
@@ -399,7 +393,7 @@ def _merge_kernel(
     ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr, lb_ptr,
     W, sinks, window, k_pages,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_W: tl.constexpr, S: tl.constexpr,
-    P: tl.constexpr, ONE_TILE: tl.constexpr, MR: tl.constexpr,
+    P: tl.constexpr, ONE_TILE: tl.constexpr, PREFILTER: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_b = i_r // S
@@ -421,8 +415,11 @@ def _merge_kernel(
         b_page = tl.load(cp_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=0)
         # every candidate is >= the chunks' lower bound lb on the row's k_row-th
         # key: bisect between lb and the largest key (empty slots read as lb)
-        lb = tl.load(lb_ptr + i_r)
-        T = kth_largest(tl.reshape(tl.where(m_w, b_key, lb), [N]), k_row, MR)
+        if PREFILTER:
+            lb = tl.load(lb_ptr + i_r)
+        else:
+            lb = tl.full([], INT32_MIN, tl.int32)
+        T = kth_largest(tl.reshape(tl.where(m_w, b_key, lb), [N]), k_row)
         n_gt = tl.sum(tl.sum((m_w & (b_key > T)).to(tl.int32), axis=1), axis=0)
         _n_eq, n_out = _emit(b_key, b_page, m_w, T, k_row, n_gt, zero, zero, p_out, NCH_P2, BLOCK_W)
     else:
@@ -527,8 +524,6 @@ def select_topk(
         ck = cp = cn = keys
     write_ub = ub is not None
     lbs = torch.empty(B * S, dtype=torch.int32, device=dev)
-    NKP = 1
-    gmax = lbs
     prefilter = all_heads and PREFILTER
     if all_heads:
         kp = keys_plan(B, NCH * CH, H, D, num_sms(dev))
@@ -538,25 +533,30 @@ def select_topk(
             M, NCH * CH, int(sinks), int(window), k_pages,
             H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
             BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-            HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, PREFETCH=kp["PREFETCH"],
-            num_warps=kp["WARPS"],
+            HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, num_warps=kp["WARPS"],
         )
     if prefilter:
-        # about GMAX_GROUPS groups per row (powers of two: GS divides CH)
+        # about GMAX_GROUPS groups per row (powers of two: GS divides CH); one
+        # program per row also finds lb when the row's keys fit in registers
         MK = NCH * CH
         gs = min(CH, next_pow2(cdiv(MK, GMAX_GROUPS)))
         NKP = MK // gs
-        gb = max(1, 4096 // gs)
-        gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
-        _gmax_kernel[(B * S, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4)
+        fuse = next_pow2(NKP) * gs <= LB_FUSE_KEYS
+        gb = next_pow2(NKP) if fuse else max(1, 4096 // gs)
+        gmax = lbs if fuse else torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
+        row_args = (ids, cache.seq_lens)
+        _gmax_kernel[(B * S, cdiv(NKP, gb))](
+            keys, gmax, lbs, *row_args, MK, NKP, int(sinks), int(window), k_pages,
+            S=S, P=P, GS=gs, GB=gb, WITH_LB=fuse, num_warps=8 if fuse else 4)
+        if not fuse:
+            _lb_kernel[(B * S,)](gmax, lbs, *row_args, NKP, int(sinks), int(window), k_pages,
+                                 S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS)
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
-        keys, ck, cp, cn, ub if write_ub else keys, pages, counts, gmax, lbs,
+        keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
         float(scale), q.stride(0), q.stride(1), smp, smh,
         HQ, G, M, W, int(sinks), int(window), k_pages,
-        S=S, NG=NG, NCH=NCH, P=P, D=D, NKP=NKP, NKP_P2=next_pow2(NKP),
-        PREFILTER=prefilter, LB_R=search_width(next_pow2(NKP), SEARCH_REGS),
-        FB_R=search_width(CH, SEARCH_REGS),
+        S=S, NG=NG, NCH=NCH, P=P, D=D, PREFILTER=prefilter,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
         HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
@@ -570,7 +570,6 @@ def select_topk(
             ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
             W, int(sinks), int(window), k_pages,
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
-            MR=search_width(nch_p2 * block_w, 2 * SEARCH_REGS),
-            num_warps=8,
+            PREFILTER=prefilter, num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8,
         )
     return Selection(pages, counts)
