@@ -61,9 +61,9 @@ GMAX_GROUPS = 512
 KEYS_CH = 32
 # keys_plan overrides (BLOCK_M, KCH, HG, WARPS), for sweeps.
 KEYS_TUNE: dict = {}
-# Key-table rows up to this many keys: _gmax_kernel holds a row in one
-# program and finds lb itself (no _lb_kernel launch).
-LB_FUSE_KEYS = 16384
+# Packed candidates the in-chunk merge (pre-filter path) holds in registers;
+# longer lists are streamed.
+MERGE_LIST = 1024
 # Warps of _lb_kernel (its bisection over ~512 maxima is latency-bound: one
 # warp reduces with shuffles only).
 LB_WARPS = 1
@@ -108,13 +108,6 @@ def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
                 WARPS=8 if block_m * per_page >= 8192 else 4)
     plan.update(KEYS_TUNE)
     return plan
-
-
-def merge_warps(n: int) -> int:
-    """Warps of a merge holding n candidate slots in registers: 1 per 256 (at
-    least 1, at most 8): its bisection is latency-bound, and fewer warps
-    reduce with fewer cross-warp steps."""
-    return max(1, min(8, n // 256))
 
 
 def half_offset(first: torch.Tensor, second: torch.Tensor) -> int:
@@ -238,61 +231,99 @@ def _keys_kernel(
 
 
 @triton.jit
-def row_lb(b_gm, ids_ptr, lens_ptr, i_r, sinks, window, k_pages, S: tl.constexpr, P: tl.constexpr):
-    """The pre-filter's lower bound on row i_r's k_row-th key from its group
-    maxima b_gm (INT32_MIN where no group): their k_row-th largest. They are
-    keys of distinct pages, so >= k_row pages have key >= lb, the row's
-    k_row-th key is >= lb, and no page below lb is ever kept. With fewer than
-    k_row groups at or above it: INT32_MIN (no filter)."""
-    seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
-    n = tl.load(lens_ptr + seq)
-    npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
-    lb = kth_largest(b_gm, k_row)
-    return tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN)
-
-
-@triton.jit
-def _gmax_kernel(key_ptr, gmax_ptr, lb_ptr, ids_ptr, lens_ptr, MK, NKP, sinks, window, k_pages,
-                 S: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, GB: tl.constexpr,
-                 WITH_LB: tl.constexpr):
+def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr):
     """The largest key of each group of GS pages of a key-table row
     (gmax[row * NKP + group], NKP = MK // GS groups): the pre-filter's group
-    maxima. With WITH_LB one program holds a whole row (GB >= NKP) and also
-    writes its lower bound lb (row_lb) to lb_ptr; otherwise _lb_kernel does.
-    A pass of its own: carrying the maxima through _keys_kernel's loop
-    measured 1.25x slower on that pass (146.6 vs 117.2 us at 1 x 2M)."""
+    maxima. A pass of its own: carrying the maxima through _keys_kernel's
+    loop measured 1.25x slower on that pass (146.6 vs 117.2 us at 1 x 2M),
+    and holding a whole row per program (to find lb there too) 12.9 us where
+    this pass and _lb_kernel take 3.4 + 4.8 us (8 x 128k)."""
     i_r = tl.program_id(0).to(tl.int64)
     o_g = tl.program_id(1) * GB + tl.arange(0, GB)
     m_g = o_g < NKP
     b_key = tl.load(key_ptr + i_r * MK + o_g[:, None] * GS + tl.arange(0, GS)[None, :],
                     mask=m_g[:, None], other=INT32_MIN)
-    b_gm = tl.max(b_key, axis=1)
-    if WITH_LB:
-        tl.store(lb_ptr + i_r, row_lb(b_gm, ids_ptr, lens_ptr, i_r, sinks, window, k_pages, S, P))
-    else:
-        tl.store(gmax_ptr + i_r * NKP + o_g, b_gm, mask=m_g)
+    tl.store(gmax_ptr + i_r * NKP + o_g, tl.max(b_key, axis=1), mask=m_g)
 
 
 @triton.jit
-def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
+def _lb_kernel(gmax_ptr, lb_ptr, tick_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
                S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr):
-    """lb (row_lb) of one row from its NKP group maxima: computed once per row
+    """lb of one row from its NKP group maxima: their k_row-th largest. They
+    are keys of distinct pages, so >= k_row pages have key >= lb, the row's
+    k_row-th key is >= lb, and no page below lb is ever kept (with fewer than
+    k_row groups at or above it: INT32_MIN, no filter). Found once per row
     here instead of in each of the row's chunk programs, where the bisection
-    over the maxima was most of _chunk_kernel's work."""
+    over the maxima was most of _chunk_kernel's work. Also zeroes the row's
+    two counters of _chunk_kernel (candidates, chunks done)."""
     i_r = tl.program_id(0).to(tl.int64)
+    seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
     o_p = tl.arange(0, NKP_P2)
     b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-    tl.store(lb_ptr + i_r, row_lb(b_gm, ids_ptr, lens_ptr, i_r, sinks, window, k_pages, S, P))
+    lb = kth_largest(b_gm, k_row)
+    tl.store(lb_ptr + i_r, tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN))
+    tl.store(tick_ptr + 2 * i_r + tl.arange(0, 2), tl.zeros([2], tl.int32))
+
+
+@triton.jit
+def merge_list(ck_ptr, cp_ptr, total, k_row, lb, p_out, count_ptr, BLOCK_C: tl.constexpr):
+    """Keep the k_row largest of ``total`` packed candidates (keys ck, pages
+    cp; every key >= lb): bisection between lb and the largest key, in
+    registers when total <= BLOCK_C (the usual case: the pre-filter leaves a
+    few hundred), else streamed over BLOCK_C tiles; then every key above the
+    threshold and ties at it up to k_row pages, written to p_out (unsorted)
+    and their number to count_ptr. Loads bypass L1 (.cg): the list was
+    written by other programs."""
+    zero = tl.zeros([], tl.int32)
+    o = tl.arange(0, BLOCK_C)
+    if total <= BLOCK_C:
+        m = o < total
+        b_key = tl.load(ck_ptr + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
+        b_page = tl.load(cp_ptr + o, mask=m, other=0, cache_modifier=".cg")
+        T = kth_largest(tl.where(m, b_key, lb), k_row)
+        n_gt = tl.sum((m & (b_key > T)).to(tl.int32))
+        _n_eq, n_out = _emit(b_key[None, :], b_page[None, :], m[None, :], T, k_row, n_gt, zero, zero,
+                             p_out, 1, BLOCK_C)
+    else:
+        lo = lb.to(tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            c = zero
+            for off in range(0, total, BLOCK_C):
+                m = off + o < total
+                b_key = tl.load(ck_ptr + off + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
+                c += tl.sum((m & (b_key >= mid.to(tl.int32))).to(tl.int32))
+            ge = c >= k_row
+            lo = tl.where(ge, mid, lo)
+            hi = tl.where(ge, hi, mid - 1)
+        T = lo.to(tl.int32)
+        n_gt = zero
+        for off in range(0, total, BLOCK_C):
+            m = off + o < total
+            b_key = tl.load(ck_ptr + off + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
+            n_gt += tl.sum((m & (b_key > T)).to(tl.int32))
+        n_out = zero
+        n_eq = zero
+        for off in range(0, total, BLOCK_C):
+            m = off + o < total
+            b_key = tl.load(ck_ptr + off + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
+            b_page = tl.load(cp_ptr + off + o, mask=m, other=0, cache_modifier=".cg")
+            n_eq, n_out = _emit(b_key[None, :], b_page[None, :], m[None, :], T, k_row, n_gt, n_eq, n_out,
+                                p_out, 1, BLOCK_C)
+    tl.store(count_ptr, n_out)
 
 
 @triton.jit
 def _chunk_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, kmax_ptr,
-    key_ptr, ck_ptr, cp_ptr, cn_ptr, ub_ptr, pages_ptr, counts_ptr, lb_ptr,
+    key_ptr, ck_ptr, cp_ptr, cn_ptr, ub_ptr, pages_ptr, counts_ptr, lb_ptr, tick_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh,
     HQ, G, M, W, sinks, window, k_pages,
     S: tl.constexpr, NG: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-    PREFILTER: tl.constexpr,
+    PREFILTER: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr, KEYS_READY: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
@@ -364,6 +395,23 @@ def _chunk_kernel(
         i_b64 = i_b.to(tl.int64)
         tl.store(pages_ptr + (i_b64 * S + i_r % S) * W + i_out, o_page, mask=m_sel)
         tl.store(counts_ptr + i_r, n_sel)
+    elif PREFILTER:
+        # Candidates go to one packed list per row (room for NCH * W; the
+        # counters were zeroed by _lb_kernel); the row's last chunk program
+        # to finish merges them (no merge launch). The barrier + release /
+        # acquire on the chunks-done counter order the list's stores before
+        # the merging program's loads.
+        p_row = i_r.to(tl.int64) * NCH * W
+        base = tl.atomic_add(tick_ptr + 2 * i_r, n_sel)
+        tl.store(ck_ptr + p_row + base + i_out, b_key, mask=m_sel)
+        tl.store(cp_ptr + p_row + base + i_out, o_page, mask=m_sel)
+        tl.debug_barrier()
+        done = tl.atomic_add(tick_ptr + 2 * i_r + 1, 1, sem="acq_rel")
+        if done == NCH - 1:
+            tl.debug_barrier()
+            total = tl.atomic_add(tick_ptr + 2 * i_r, 0, sem="acquire")
+            merge_list(ck_ptr + p_row, cp_ptr + p_row, total, k_row, lb,
+                       pages_ptr + i_r.to(tl.int64) * W, counts_ptr + i_r, BLOCK_C)
     else:
         o_c = (i_r.to(tl.int64) * NCH + i_c) * W
         tl.store(ck_ptr + o_c + i_out, b_key, mask=m_sel)
@@ -390,10 +438,10 @@ def _emit(b_key, b_page, m_w, T, k_row, n_gt, n_eq, n_out, p_out, R: tl.constexp
 
 @triton.jit
 def _merge_kernel(
-    ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr, lb_ptr,
+    ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr,
     W, sinks, window, k_pages,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_W: tl.constexpr, S: tl.constexpr,
-    P: tl.constexpr, ONE_TILE: tl.constexpr, PREFILTER: tl.constexpr,
+    P: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_b = i_r // S
@@ -413,12 +461,9 @@ def _merge_kernel(
         m_w = o_w[None, :] < n_c[:, None]
         b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
         b_page = tl.load(cp_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=0)
-        # every candidate is >= the chunks' lower bound lb on the row's k_row-th
-        # key: bisect between lb and the largest key (empty slots read as lb)
-        if PREFILTER:
-            lb = tl.load(lb_ptr + i_r)
-        else:
-            lb = tl.full([], INT32_MIN, tl.int32)
+        # (no pre-filter here: bisect between the smallest and largest key;
+        # empty slots read as INT32_MIN)
+        lb = tl.full([], INT32_MIN, tl.int32)
         T = kth_largest(tl.reshape(tl.where(m_w, b_key, lb), [N]), k_row)
         n_gt = tl.sum(tl.sum((m_w & (b_key > T)).to(tl.int32), axis=1), axis=0)
         _n_eq, n_out = _emit(b_key, b_page, m_w, T, k_row, n_gt, zero, zero, p_out, NCH_P2, BLOCK_W)
@@ -535,41 +580,37 @@ def select_topk(
             BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
             HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, num_warps=kp["WARPS"],
         )
+    tick = lbs
     if prefilter:
-        # about GMAX_GROUPS groups per row (powers of two: GS divides CH); one
-        # program per row also finds lb when the row's keys fit in registers
+        # about GMAX_GROUPS groups per row (powers of two: GS divides CH)
         MK = NCH * CH
         gs = min(CH, next_pow2(cdiv(MK, GMAX_GROUPS)))
         NKP = MK // gs
-        fuse = next_pow2(NKP) * gs <= LB_FUSE_KEYS
-        gb = next_pow2(NKP) if fuse else max(1, 4096 // gs)
-        gmax = lbs if fuse else torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
-        row_args = (ids, cache.seq_lens)
-        _gmax_kernel[(B * S, cdiv(NKP, gb))](
-            keys, gmax, lbs, *row_args, MK, NKP, int(sinks), int(window), k_pages,
-            S=S, P=P, GS=gs, GB=gb, WITH_LB=fuse, num_warps=8 if fuse else 4)
-        if not fuse:
-            _lb_kernel[(B * S,)](gmax, lbs, *row_args, NKP, int(sinks), int(window), k_pages,
-                                 S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS)
+        gb = max(1, 4096 // gs)
+        gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
+        tick = torch.empty(B * S * 2, dtype=torch.int32, device=dev)  # zeroed by _lb_kernel
+        _gmax_kernel[(B * S, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4)
+        _lb_kernel[(B * S,)](gmax, lbs, tick, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
+                             S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS)
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
-        keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
+        keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs, tick,
         float(scale), q.stride(0), q.stride(1), smp, smh,
         HQ, G, M, W, int(sinks), int(window), k_pages,
-        S=S, NG=NG, NCH=NCH, P=P, D=D, PREFILTER=prefilter,
+        S=S, NG=NG, NCH=NCH, P=P, D=D, PREFILTER=prefilter, BLOCK_C=MERGE_LIST,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
         HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
         num_warps=SELECT_WARPS if all_heads else cfg["WARPS"],
     )
-    if NCH > 1:
+    if NCH > 1 and not prefilter:  # (with the pre-filter the chunk kernel merges)
         nch_p2 = next_pow2(NCH)
         one_tile = nch_p2 * next_pow2(W) <= MERGE_REGS
         block_w = next_pow2(W) if one_tile else max(1, min(next_pow2(W), 8192 // nch_p2))
         _merge_kernel[(B * S,)](
-            ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
+            ids, cache.seq_lens, ck, cp, cn, pages, counts,
             W, int(sinks), int(window), k_pages,
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
-            PREFILTER=prefilter, num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8,
+            num_warps=8,
         )
     return Selection(pages, counts)
