@@ -15,8 +15,7 @@ max(budget // P, forced) best pages. No sort and no torch.topk:
    [B*S, NCH*CH] key table; then ``_gmax_kernel`` (grid B*S x group blocks):
    the largest key of each of about GMAX_GROUPS page groups per row. The K-th
    largest group maximum lb is a lower bound on the row's K-th key (the
-   pre-filter); it is found once per row, by ``_gmax_kernel`` itself when a
-   row fits one program, else by ``_lb_kernel``.
+   pre-filter); ``_lb_kernel`` (grid B*S) finds it once per row.
 1. ``_chunk_kernel`` (grid B*S x NCH): otherwise scores CH pages
    (CH = NSUB * BLOCK_M) of one row from k_min/k_max and maps each rank to an
    int32 key with the same order. With the pre-filter, a chunk with at most
@@ -61,9 +60,6 @@ GMAX_GROUPS = 512
 KEYS_CH = 32
 # keys_plan overrides (BLOCK_M, KCH, HG, WARPS), for sweeps.
 KEYS_TUNE: dict = {}
-# Packed candidates the in-chunk merge (pre-filter path) holds in registers;
-# longer lists are streamed.
-MERGE_LIST = 1024
 # Warps of _lb_kernel (its bisection over ~512 maxima is latency-bound: one
 # warp reduces with shuffles only).
 LB_WARPS = 1
@@ -108,6 +104,13 @@ def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
                 WARPS=8 if block_m * per_page >= 8192 else 4)
     plan.update(KEYS_TUNE)
     return plan
+
+
+def merge_warps(n: int) -> int:
+    """Warps of a merge holding n candidate slots in registers: 1 per 256 (at
+    least 1, at most 8): its bisection is latency-bound, and fewer warps
+    reduce with fewer cross-warp steps."""
+    return max(1, min(8, n // 256))
 
 
 def half_offset(first: torch.Tensor, second: torch.Tensor) -> int:
@@ -247,15 +250,15 @@ def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr)
 
 
 @triton.jit
-def _lb_kernel(gmax_ptr, lb_ptr, tick_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
+def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
                S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr):
     """lb of one row from its NKP group maxima: their k_row-th largest. They
     are keys of distinct pages, so >= k_row pages have key >= lb, the row's
     k_row-th key is >= lb, and no page below lb is ever kept (with fewer than
     k_row groups at or above it: INT32_MIN, no filter). Found once per row
     here instead of in each of the row's chunk programs, where the bisection
-    over the maxima was most of _chunk_kernel's work. Also zeroes the row's
-    two counters of _chunk_kernel (candidates, chunks done)."""
+    over the maxima was most of _chunk_kernel's work (22.2 -> 11.0 us at
+    1 x 2M)."""
     i_r = tl.program_id(0).to(tl.int64)
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
@@ -264,66 +267,16 @@ def _lb_kernel(gmax_ptr, lb_ptr, tick_ptr, ids_ptr, lens_ptr, NKP, sinks, window
     b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
     lb = kth_largest(b_gm, k_row)
     tl.store(lb_ptr + i_r, tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN))
-    tl.store(tick_ptr + 2 * i_r + tl.arange(0, 2), tl.zeros([2], tl.int32))
-
-
-@triton.jit
-def merge_list(ck_ptr, cp_ptr, total, k_row, lb, p_out, count_ptr, BLOCK_C: tl.constexpr):
-    """Keep the k_row largest of ``total`` packed candidates (keys ck, pages
-    cp; every key >= lb): bisection between lb and the largest key, in
-    registers when total <= BLOCK_C (the usual case: the pre-filter leaves a
-    few hundred), else streamed over BLOCK_C tiles; then every key above the
-    threshold and ties at it up to k_row pages, written to p_out (unsorted)
-    and their number to count_ptr. Loads bypass L1 (.cg): the list was
-    written by other programs."""
-    zero = tl.zeros([], tl.int32)
-    o = tl.arange(0, BLOCK_C)
-    if total <= BLOCK_C:
-        m = o < total
-        b_key = tl.load(ck_ptr + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
-        b_page = tl.load(cp_ptr + o, mask=m, other=0, cache_modifier=".cg")
-        T = kth_largest(tl.where(m, b_key, lb), k_row)
-        n_gt = tl.sum((m & (b_key > T)).to(tl.int32))
-        _n_eq, n_out = _emit(b_key[None, :], b_page[None, :], m[None, :], T, k_row, n_gt, zero, zero,
-                             p_out, 1, BLOCK_C)
-    else:
-        lo = lb.to(tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            c = zero
-            for off in range(0, total, BLOCK_C):
-                m = off + o < total
-                b_key = tl.load(ck_ptr + off + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
-                c += tl.sum((m & (b_key >= mid.to(tl.int32))).to(tl.int32))
-            ge = c >= k_row
-            lo = tl.where(ge, mid, lo)
-            hi = tl.where(ge, hi, mid - 1)
-        T = lo.to(tl.int32)
-        n_gt = zero
-        for off in range(0, total, BLOCK_C):
-            m = off + o < total
-            b_key = tl.load(ck_ptr + off + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
-            n_gt += tl.sum((m & (b_key > T)).to(tl.int32))
-        n_out = zero
-        n_eq = zero
-        for off in range(0, total, BLOCK_C):
-            m = off + o < total
-            b_key = tl.load(ck_ptr + off + o, mask=m, other=INT32_MIN, cache_modifier=".cg")
-            b_page = tl.load(cp_ptr + off + o, mask=m, other=0, cache_modifier=".cg")
-            n_eq, n_out = _emit(b_key[None, :], b_page[None, :], m[None, :], T, k_row, n_gt, n_eq, n_out,
-                                p_out, 1, BLOCK_C)
-    tl.store(count_ptr, n_out)
 
 
 @triton.jit
 def _chunk_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, kmax_ptr,
-    key_ptr, ck_ptr, cp_ptr, cn_ptr, ub_ptr, pages_ptr, counts_ptr, lb_ptr, tick_ptr,
+    key_ptr, ck_ptr, cp_ptr, cn_ptr, ub_ptr, pages_ptr, counts_ptr, lb_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh,
     HQ, G, M, W, sinks, window, k_pages,
     S: tl.constexpr, NG: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-    PREFILTER: tl.constexpr, BLOCK_C: tl.constexpr,
+    PREFILTER: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr, KEYS_READY: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
@@ -371,7 +324,7 @@ def _chunk_kernel(
     o_k = tl.arange(0, CH)
     b_key = tl.load(p_key + o_k, cache_modifier=".cg")
     m_ok = b_key > INT32_MIN
-    if PREFILTER:  # no page below lb (row_lb) is kept
+    if PREFILTER:  # no page below lb (_lb_kernel) is kept
         lb = tl.load(lb_ptr + i_r)
     else:
         lb = tl.full([], INT32_MIN, tl.int32)
@@ -395,23 +348,6 @@ def _chunk_kernel(
         i_b64 = i_b.to(tl.int64)
         tl.store(pages_ptr + (i_b64 * S + i_r % S) * W + i_out, o_page, mask=m_sel)
         tl.store(counts_ptr + i_r, n_sel)
-    elif PREFILTER:
-        # Candidates go to one packed list per row (room for NCH * W; the
-        # counters were zeroed by _lb_kernel); the row's last chunk program
-        # to finish merges them (no merge launch). The barrier + release /
-        # acquire on the chunks-done counter order the list's stores before
-        # the merging program's loads.
-        p_row = i_r.to(tl.int64) * NCH * W
-        base = tl.atomic_add(tick_ptr + 2 * i_r, n_sel)
-        tl.store(ck_ptr + p_row + base + i_out, b_key, mask=m_sel)
-        tl.store(cp_ptr + p_row + base + i_out, o_page, mask=m_sel)
-        tl.debug_barrier()
-        done = tl.atomic_add(tick_ptr + 2 * i_r + 1, 1, sem="acq_rel")
-        if done == NCH - 1:
-            tl.debug_barrier()
-            total = tl.atomic_add(tick_ptr + 2 * i_r, 0, sem="acquire")
-            merge_list(ck_ptr + p_row, cp_ptr + p_row, total, k_row, lb,
-                       pages_ptr + i_r.to(tl.int64) * W, counts_ptr + i_r, BLOCK_C)
     else:
         o_c = (i_r.to(tl.int64) * NCH + i_c) * W
         tl.store(ck_ptr + o_c + i_out, b_key, mask=m_sel)
@@ -438,10 +374,10 @@ def _emit(b_key, b_page, m_w, T, k_row, n_gt, n_eq, n_out, p_out, R: tl.constexp
 
 @triton.jit
 def _merge_kernel(
-    ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr,
+    ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr, lb_ptr,
     W, sinks, window, k_pages,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_W: tl.constexpr, S: tl.constexpr,
-    P: tl.constexpr, ONE_TILE: tl.constexpr,
+    P: tl.constexpr, ONE_TILE: tl.constexpr, PREFILTER: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_b = i_r // S
@@ -461,9 +397,12 @@ def _merge_kernel(
         m_w = o_w[None, :] < n_c[:, None]
         b_key = tl.load(ck_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=INT32_MIN)
         b_page = tl.load(cp_ptr + p_row[:, None] + o_w[None, :], mask=m_w, other=0)
-        # (no pre-filter here: bisect between the smallest and largest key;
-        # empty slots read as INT32_MIN)
-        lb = tl.full([], INT32_MIN, tl.int32)
+        # every candidate is >= the chunks' lower bound lb on the row's k_row-th
+        # key: bisect between lb and the largest key (empty slots read as lb)
+        if PREFILTER:
+            lb = tl.load(lb_ptr + i_r)
+        else:
+            lb = tl.full([], INT32_MIN, tl.int32)
         T = kth_largest(tl.reshape(tl.where(m_w, b_key, lb), [N]), k_row)
         n_gt = tl.sum(tl.sum((m_w & (b_key > T)).to(tl.int32), axis=1), axis=0)
         _n_eq, n_out = _emit(b_key, b_page, m_w, T, k_row, n_gt, zero, zero, p_out, NCH_P2, BLOCK_W)
@@ -580,7 +519,6 @@ def select_topk(
             BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
             HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, num_warps=kp["WARPS"],
         )
-    tick = lbs
     if prefilter:
         # about GMAX_GROUPS groups per row (powers of two: GS divides CH)
         MK = NCH * CH
@@ -588,29 +526,28 @@ def select_topk(
         NKP = MK // gs
         gb = max(1, 4096 // gs)
         gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
-        tick = torch.empty(B * S * 2, dtype=torch.int32, device=dev)  # zeroed by _lb_kernel
         _gmax_kernel[(B * S, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4)
-        _lb_kernel[(B * S,)](gmax, lbs, tick, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
+        _lb_kernel[(B * S,)](gmax, lbs, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
                              S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS)
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
-        keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs, tick,
+        keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
         float(scale), q.stride(0), q.stride(1), smp, smh,
         HQ, G, M, W, int(sinks), int(window), k_pages,
-        S=S, NG=NG, NCH=NCH, P=P, D=D, PREFILTER=prefilter, BLOCK_C=MERGE_LIST,
+        S=S, NG=NG, NCH=NCH, P=P, D=D, PREFILTER=prefilter,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
         HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
         num_warps=SELECT_WARPS if all_heads else cfg["WARPS"],
     )
-    if NCH > 1 and not prefilter:  # (with the pre-filter the chunk kernel merges)
+    if NCH > 1:
         nch_p2 = next_pow2(NCH)
         one_tile = nch_p2 * next_pow2(W) <= MERGE_REGS
         block_w = next_pow2(W) if one_tile else max(1, min(next_pow2(W), 8192 // nch_p2))
         _merge_kernel[(B * S,)](
-            ids, cache.seq_lens, ck, cp, cn, pages, counts,
+            ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
             W, int(sinks), int(window), k_pages,
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
-            num_warps=8,
+            PREFILTER=prefilter, num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8,
         )
     return Selection(pages, counts)
