@@ -5,9 +5,14 @@ read of the whole k_min/k_max table (the achievable read bandwidth of the
 metadata, no block table) and then the whole top-k selection with each
 ``keys_plan`` override (BLOCK_M, KCH, HG, WARPS), next to the
 default plan. Prints one line per variant: selection ms, and the keys pass
-alone in ms and TB/s. The chosen values go into ``topk.keys_plan`` by hand.
+alone in ms and TB/s. With ``--knobs`` it times the selection over the
+product of values of ``topk`` module settings instead (e.g. the chunk size
+and the warps of the lb and merge kernels). The chosen values go into
+``topk.py`` by hand.
 
     PYTHONPATH=.:benchmarks python benchmarks/tune_keys.py --configs paper_128k,paper_b1_2m
+    PYTHONPATH=.:benchmarks python benchmarks/tune_keys.py --configs paper_b1_2m \
+        --knobs "SELECT_CH=4096,8192;LB_WARPS=1,4"
 """
 from __future__ import annotations
 
@@ -60,10 +65,14 @@ def main(argv=None):
     ap.add_argument("--configs", default="paper_128k,paper_b1_2m")
     ap.add_argument("--variants", default=None, metavar="BM,KCH,HG,WARPS;...")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--knobs", default=None, metavar="NAME=V1,V2;...",
+                    help="time select_topk over the product of these topk module settings")
     args = ap.parse_args(argv)
     from entmaxkv.kernels import topk as T
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    if args.knobs:
+        return sweep_knobs(T, args, flush)
     variants = parse_variants(args.variants) if args.variants else grid()
     for cname in args.configs.split(","):
         cfg = CONFIGS[cname]
@@ -97,6 +106,33 @@ def main(argv=None):
                 print(cname, name, "ERROR", str(exc)[:300], flush=True)
         T.KEYS_TUNE.clear()
         torch.cuda.empty_cache()
+
+
+def sweep_knobs(T, args, flush):
+    """Selection time for every combination of the --knobs settings."""
+    names, values = [], []
+    for item in args.knobs.split(";"):
+        name, vals = item.split("=")
+        names.append(name)
+        values.append([int(v) for v in vals.split(",")])
+    defaults = {name: getattr(T, name) for name in names}
+    for cname in args.configs.split(","):
+        cfg = CONFIGS[cname]
+        B, n, HQ, H, D, dtype, P = cfg
+        cache, ids, q, k4, v4 = build(cfg)
+        del k4, v4
+        scale = 1 / math.sqrt(D)
+        for combo in itertools.product(*values):
+            for name, v in zip(names, combo):
+                setattr(T, name, v)
+            label = ",".join(f"{k}={v}" for k, v in zip(names, combo))
+            g, _ = capture(lambda: T.select_topk(q, cache, ids, budget=1024, scale=scale))
+            ms, _ = time_graph(g, flush, 5, args.reps)
+            del g
+            print(f"{cname:12s} {label:55s} select {ms * 1e3:7.1f} us", flush=True)
+        torch.cuda.empty_cache()
+    for name, v in defaults.items():
+        setattr(T, name, v)
 
 
 def time_keys(T, q, cache, ids, scale, flush, reps):

@@ -674,9 +674,9 @@ def _run(
     (skp, skh, skr), (svp, svh, svr) = kv_strides(cache)
     sl = as_slopes(slopes, HQ, dev)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
-    if dense:
-        pages = torch.zeros(1, 1, 1, dtype=torch.int32, device=dev)
-        counts = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    if dense:  # unread placeholders (DENSE walks every page): torch.empty launches no fill
+        pages = torch.empty(1, 1, 1, dtype=torch.int32, device=dev)
+        counts = torch.empty(1, 1, dtype=torch.int32, device=dev)
     R = B * HQ
     f32 = torch.float32
     tau = torch.empty(R, dtype=f32, device=dev)
