@@ -140,8 +140,8 @@ def page_mask(sel: Selection, B: int, S: int, M: int) -> torch.Tensor:
 
 def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced):
     M = mask.shape[2]
-    pages = torch.zeros(B, S, M, dtype=torch.int32, device=mask.device)
-    counts = torch.zeros(B, S, dtype=torch.int32, device=mask.device)
+    pages = torch.empty(B, S, M, dtype=torch.int32, device=mask.device)  # padding past counts is never read
+    counts = torch.zeros(B, S, dtype=torch.int32, device=mask.device)  # atomic list lengths
     block_m = 256 if NG <= 4 else 64
     _augment_kernel[(B * S, triton.cdiv(M, block_m))](
         ubs if ubs is not None else mask, mask, tau if tau is not None else mask, ids, cache.seq_lens,
