@@ -42,6 +42,7 @@ from ._common import as_slopes, cdiv, interpreting, next_pow2, num_sms
 from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
+INF_KEY = tl.constexpr(0x7F800000)  # sortable_key(+inf): forced pages
 # Score all heads of a page in one program when there is one query head per KV
 # head (tests switch it off to cover the per-head path on MHA shapes too).
 ALL_HEADS = True
@@ -133,12 +134,18 @@ def sortable_key(x):
 @triton.jit
 def kth_largest(keys, K):
     """Largest T with count(keys >= T) >= K (int32), by bisection on the key
-    bits between the smallest and largest key (about 24 steps for keys within
-    a few binades, at most 32); keys need not be valid for K <= 0. (Counting
-    several thresholds per step measured slower: with several programs per
-    multiprocessor the search is bound by ALU work, not by its latency.)"""
-    lo = tl.min(keys, axis=0).to(tl.int64)
-    hi = tl.max(keys, axis=0).to(tl.int64)
+    bits between the smallest and the largest key, or the largest key below
+    +inf's when fewer than K keys are +inf (forced pages rank +inf: without
+    the clamp the range would span up to +inf's bits, ~30 steps instead of
+    ~24 for keys within a few binades); keys need not be valid for K <= 0.
+    (Counting several thresholds per step measured slower: with several
+    programs per multiprocessor the search is bound by ALU work, not by
+    its latency.)"""
+    lo = tl.min(keys, axis=0)
+    n_inf = tl.sum((keys >= INF_KEY).to(tl.int32))
+    hi_fin = tl.max(tl.where(keys < INF_KEY, keys, lo), axis=0)
+    hi = tl.where(n_inf >= K, tl.max(keys, axis=0), hi_fin).to(tl.int64)
+    lo = lo.to(tl.int64)
     while lo < hi:
         mid = lo + (hi - lo + 1) // 2
         c = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32))
@@ -341,17 +348,19 @@ def _chunk_kernel(
         m_sel = m_gt | (m_eq & (rank_eq < k_row - n_gt))
     else:  # every survivor is among the chunk's k_row best (the usual case past 64k tokens)
         m_sel = m_in
-    i_out = tl.cumsum(m_sel.to(tl.int32), axis=0) - 1
     n_sel = tl.sum(m_sel.to(tl.int32))
     o_page = i_c * CH + o_k
     if NCH == 1:
+        i_out = tl.cumsum(m_sel.to(tl.int32), axis=0) - 1
         i_b64 = i_b.to(tl.int64)
         tl.store(pages_ptr + (i_b64 * S + i_r % S) * W + i_out, o_page, mask=m_sel)
         tl.store(counts_ptr + i_r, n_sel)
     else:
-        o_c = (i_r.to(tl.int64) * NCH + i_c) * W
-        tl.store(ck_ptr + o_c + i_out, b_key, mask=m_sel)
-        tl.store(cp_ptr + o_c + i_out, o_page, mask=m_sel)
+        if n_sel > 0:  # (past 1M tokens most chunks keep nothing: no prefix sum)
+            i_out = tl.cumsum(m_sel.to(tl.int32), axis=0) - 1
+            o_c = (i_r.to(tl.int64) * NCH + i_c) * W
+            tl.store(ck_ptr + o_c + i_out, b_key, mask=m_sel)
+            tl.store(cp_ptr + o_c + i_out, o_page, mask=m_sel)
         tl.store(cn_ptr + i_r * NCH + i_c, n_sel)
 
 
