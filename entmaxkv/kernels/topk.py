@@ -59,6 +59,13 @@ PREFILTER = True
 GMAX_GROUPS = 512
 # Pages per _keys_kernel program.
 KEYS_CH = 32
+# Chunk kernel settings when it scores its own pages (GQA, per-query-head):
+# programs per SM the chunk size aims for, pipeline stages, and overrides of
+# the warps / page block (0: from the shapes), for sweeps.
+CHUNK_PROGS = 2
+CHUNK_STAGES = 3
+CHUNK_WARPS = 0
+CHUNK_BLOCK_M = 0
 # keys_plan overrides (BLOCK_M, KCH, HG, WARPS), for sweeps.
 KEYS_TUNE: dict = {}
 # Warps of _lb_kernel (its bisection over ~512 maxima is latency-bound: one
@@ -78,13 +85,16 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
     bisection of a chunk is short next to its metadata read and the merge has
     few candidates, but small enough for two programs per multiprocessor."""
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
+    if CHUNK_BLOCK_M:
+        cfg["BLOCK_M"] = CHUNK_BLOCK_M
     block_m = cfg["BLOCK_M"]
     cap = 256 if interpreting() else cap
     ch = max(block_m, min(cap, next_pow2(M)))
     floor = max(block_m, min(ch, 1024, next_pow2(4 * K)))
-    while ch > floor and rows * cdiv(M, ch) < 2 * sms:
+    while ch > floor and rows * cdiv(M, ch) < CHUNK_PROGS * sms:
         ch //= 2
-    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch), WARPS=8 if ch >= 2048 else 4)
+    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch),
+               WARPS=CHUNK_WARPS or (8 if ch >= 2048 else 4), STAGES=CHUNK_STAGES)
     return cfg
 
 
@@ -547,7 +557,7 @@ def select_topk(
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
         HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=SELECT_WARPS if all_heads else cfg["WARPS"],
+        num_warps=SELECT_WARPS if all_heads else cfg["WARPS"], num_stages=cfg["STAGES"],
     )
     if NCH > 1:
         nch_p2 = next_pow2(NCH)
