@@ -98,8 +98,11 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
     floor = max(block_m, min(ch, 1024, next_pow2(4 * K)))
     while ch > floor and rows * cdiv(M, ch) < CHUNK_PROGS * sms:
         ch //= 2
-    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch),
-               WARPS=CHUNK_WARPS or (8 if ch >= 2048 else 4), STAGES=CHUNK_STAGES)
+    # 4 warps on the tl.dot path at any chunk size (8 warps with 32-page
+    # blocks: 242 vs 162 us at GQA 4 x 512k, results/tune_chunk.log)
+    warps = 4 if cfg["USE_DOT"] or ch < 2048 else 8
+    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch), WARPS=CHUNK_WARPS or warps,
+               STAGES=CHUNK_STAGES)
     return cfg
 
 
