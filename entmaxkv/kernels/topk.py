@@ -87,7 +87,7 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     if cfg["USE_DOT"]:
         # half the scoring kernels' page block (32 pages at d 128): the chunk
-        # kernel holds its keys too (results/tune_chunk.log, GQA 4 x 128k /
+        # kernel holds its keys too (results/tune_select.log, GQA 4 x 128k /
         # 512k selection 71.5 -> 59.1 / 187.8 -> 161.8 us)
         cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], 4096 // cfg["BLOCK_D"]))
     if CHUNK_BLOCK_M:
@@ -99,7 +99,7 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
     while ch > floor and rows * cdiv(M, ch) < CHUNK_PROGS * sms:
         ch //= 2
     # 4 warps on the tl.dot path at any chunk size (8 warps with 32-page
-    # blocks: 242 vs 162 us at GQA 4 x 512k, results/tune_chunk.log)
+    # blocks: 242 vs 162 us at GQA 4 x 512k, results/tune_select.log)
     warps = 4 if cfg["USE_DOT"] or ch < 2048 else 8
     cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch), WARPS=CHUNK_WARPS or warps,
                STAGES=CHUNK_STAGES)
