@@ -75,11 +75,7 @@ def main(argv=None):
         return sweep_knobs(T, args, flush)
     variants = parse_variants(args.variants) if args.variants else grid()
     for cname in args.configs.split(","):
-        cfg = CONFIGS[cname]
-        B, n, HQ, H, D, dtype, P = cfg
-        cache, ids, q, k4, v4 = build(cfg)
-        del k4, v4
-        scale = 1 / math.sqrt(D)
+        cache, ids, q, scale = setup(cname)
         meta = cache.k_bounds
         nbytes = meta.numel() * meta.element_size()
         N = meta.numel()
@@ -96,9 +92,7 @@ def main(argv=None):
                 T.KEYS_TUNE.update(v)
             name = "default" if v is None else ",".join(f"{k}={int(x)}" for k, x in v.items())
             try:
-                g, _ = capture(lambda: T.select_topk(q, cache, ids, budget=1024, scale=scale))
-                ms, _ = time_graph(g, flush, 5, args.reps)
-                del g
+                ms = time_select(T, q, cache, ids, scale, flush, args.reps)
                 keys_ms, kp = time_keys(T, q, cache, ids, scale, flush, args.reps)
                 print(f"{cname:12s} {name:55s} select {ms * 1e3:7.1f} us  keys {keys_ms * 1e3:7.1f} us "
                       f"{nbytes / keys_ms / 1e9:5.2f} TB/s  plan {kp}", flush=True)
@@ -106,6 +100,21 @@ def main(argv=None):
                 print(cname, name, "ERROR", str(exc)[:300], flush=True)
         T.KEYS_TUNE.clear()
         torch.cuda.empty_cache()
+
+
+def setup(cname):
+    """(cache, seq ids, queries, scale) of a bench_decode configuration (no dense K/V copy kept)."""
+    cache, ids, q, k4, v4 = build(CONFIGS[cname])
+    del k4, v4
+    return cache, ids, q, 1 / math.sqrt(q.shape[-1])
+
+
+def time_select(T, q, cache, ids, scale, flush, reps):
+    """Median ms of the whole top-k selection (budget 1024), captured in a graph."""
+    g, _ = capture(lambda: T.select_topk(q, cache, ids, budget=1024, scale=scale))
+    ms, _ = time_graph(g, flush, 5, reps)
+    del g
+    return ms
 
 
 def sweep_knobs(T, args, flush):
@@ -117,18 +126,12 @@ def sweep_knobs(T, args, flush):
         values.append([int(v) for v in vals.split(",")])
     defaults = {name: getattr(T, name) for name in names}
     for cname in args.configs.split(","):
-        cfg = CONFIGS[cname]
-        B, n, HQ, H, D, dtype, P = cfg
-        cache, ids, q, k4, v4 = build(cfg)
-        del k4, v4
-        scale = 1 / math.sqrt(D)
+        cache, ids, q, scale = setup(cname)
         for combo in itertools.product(*values):
             for name, v in zip(names, combo):
                 setattr(T, name, v)
             label = ",".join(f"{k}={v}" for k, v in zip(names, combo))
-            g, _ = capture(lambda: T.select_topk(q, cache, ids, budget=1024, scale=scale))
-            ms, _ = time_graph(g, flush, 5, args.reps)
-            del g
+            ms = time_select(T, q, cache, ids, scale, flush, args.reps)
             print(f"{cname:12s} {label:55s} select {ms * 1e3:7.1f} us", flush=True)
         torch.cuda.empty_cache()
     for name, v in defaults.items():

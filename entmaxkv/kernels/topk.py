@@ -54,8 +54,8 @@ SELECT_CH = 4096
 # Pre-filter each chunk with a lower bound on its row's K-th key from group
 # maxima of the key table (the all-heads path); tests switch it off.
 PREFILTER = True
-# Groups per row behind the pre-filter's lower bound (each chunk program finds
-# the k-th largest of them: more groups, a tighter bound, more work per chunk).
+# Groups per row behind the pre-filter's lower bound (_lb_kernel finds the
+# k-th largest of them: more groups, a tighter bound, a longer search).
 GMAX_GROUPS = 512
 # Pages per _keys_kernel program.
 KEYS_CH = 32
@@ -229,6 +229,7 @@ def _keys_kernel(
         p_k = kmin_ptr + (phys * stride_mp + h0 * stride_mh)[:, None, None, None] + o_in[None, :, :, :]
         m_in = m_h[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
         b_raw = tl.load(p_k, mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0)
+        # the step's queries (and slopes) are reloaded per step: L1 hits
         b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                       mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
         # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
