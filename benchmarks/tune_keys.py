@@ -140,8 +140,7 @@ def sweep_knobs(T, args, flush):
 
 def time_keys(T, q, cache, ids, scale, flush, reps):
     """(median ms, plan) of _keys_kernel alone, launched as select_topk launches it."""
-    from entmaxkv.kernels._common import as_slopes, cdiv, next_pow2, num_sms
-    from entmaxkv.kernels.scoring import meta_strides
+    from entmaxkv.kernels._common import as_slopes, num_sms
 
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
@@ -149,24 +148,17 @@ def time_keys(T, q, cache, ids, scale, flush, reps):
     k_pages, W = T.topk_width(M, P, 1024, 0, 0)
     cfg = T.topk_plan(M, W, 1, D, q.dtype, cache.dtype, B * H, num_sms(q.device), cap=T.SELECT_CH)
     MK = cfg["NCH"] * cfg["CH"]
-    kp = T.keys_plan(B, MK, H, D, num_sms(q.device))
     keys = torch.empty(B * H * MK, dtype=torch.int32, device=q.device)
-    smp, smh = meta_strides(cache)
     sl = as_slopes(None, HQ, q.device)
+    ids32 = ids.to(torch.int32)
+    plan = {}
 
     def launch():
-        T._keys_kernel[(B, cdiv(MK, kp["KCH"]))](
-            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, keys,
-            float(scale), q.stride(0), q.stride(1), smp, smh, T.half_offset(cache.k_min, cache.k_max),
-            M, MK, 0, 0, k_pages,
-            H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
-            BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-            HAS_ALIBI=False, WRITE_UB=False, num_warps=kp["WARPS"],
-        )
+        plan.update(T.launch_keys(q, sl, ids32, cache, keys, None, MK, scale, 0, 0, k_pages, has_alibi=False))
 
     g, _ = capture(launch)
     ms, _ = time_graph(g, flush, 5, reps)
-    return ms, kp
+    return ms, plan
 
 
 if __name__ == "__main__":

@@ -475,6 +475,29 @@ def _merge_kernel(
 # ---------------------------------------------------------------------------
 
 
+def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, window: int,
+                k_pages: int, *, has_alibi: bool) -> dict:
+    """Launch _keys_kernel (one query head per KV head): rank keys of every
+    page and head into ``keys`` [B * H * MK] int32 and, when ``ub`` is given,
+    the certified bounds into it. ``sl``: as_slopes output; ``ids``: int32
+    cache slots. Returns the keys_plan used (benchmarks/tune_keys.py times
+    this launch alone)."""
+    B, _, D = q.shape
+    H, P = cache.kv_heads, cache.page_size
+    M = cache.block_table.shape[1]
+    smp, smh = meta_strides(cache)
+    kp = keys_plan(B, MK, H, D, num_sms(q.device))
+    _keys_kernel[(B, cdiv(MK, kp["KCH"]))](
+        q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if ub is not None else keys,
+        float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
+        M, MK, int(sinks), int(window), k_pages,
+        H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
+        BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
+        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, num_warps=kp["WARPS"],
+    )
+    return kp
+
+
 def topk_width(M: int, page_size: int, budget: int, sinks: int, window: int) -> Tuple[int, int]:
     """(k_pages, width) exactly as the reference sizes them."""
     k_pages = max(budget // page_size, 1)
@@ -538,15 +561,8 @@ def select_topk(
     lbs = torch.empty(B * S, dtype=torch.int32, device=dev)
     prefilter = all_heads and PREFILTER
     if all_heads:
-        kp = keys_plan(B, NCH * CH, H, D, num_sms(dev))
-        _keys_kernel[(B, cdiv(NCH * CH, kp["KCH"]))](
-            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if write_ub else keys,
-            float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
-            M, NCH * CH, int(sinks), int(window), k_pages,
-            H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
-            BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-            HAS_ALIBI=slopes is not None, WRITE_UB=write_ub, num_warps=kp["WARPS"],
-        )
+        launch_keys(q, sl, ids, cache, keys, ub, NCH * CH, scale, sinks, window, k_pages,
+                    has_alibi=slopes is not None)
     if prefilter:
         # about GMAX_GROUPS groups per row (powers of two: GS divides CH)
         MK = NCH * CH
