@@ -94,12 +94,10 @@ DOT_ENTMAX_PER_SM = 2
 SMALL_SEL_TOKENS = 2048
 SMALL_SEL = (32, 1, 2)
 SMALL_SEL_FACTOR = 16
-# One-head selections of at most FUSED_TOKENS tokens per row (head dim <= 64)
-# run in a single launch instead (FINISH: one program per row also
-# normalises / solves tau and gathers V), with these (BLOCK_T, num_warps,
-# num_stages). FUSED = False: the split path above.
+# Those short one-head selections run in a single launch instead (FINISH: one
+# program per row also normalises / solves tau and gathers V), with these
+# (BLOCK_T, num_warps, num_stages). False: the split path above.
 FUSED = True
-FUSED_TOKENS = 2048
 FUSED_SEL = (256, 8, 3)
 
 
@@ -137,9 +135,8 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         stages = 3
     rows = B * S
     factor = SPLIT_FACTOR
-    one_head_sel = not use_dot and not dense and block_d <= 64
-    short = one_head_sel and W * P <= SMALL_SEL_TOKENS
-    fused = one_head_sel and W * P <= FUSED_TOKENS and finish and FUSED
+    short = not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
+    fused = short and finish and FUSED
     if fused:
         block_t, warps, stages = FUSED_SEL
     elif short and (softmax or rows < num_sms(device)):
