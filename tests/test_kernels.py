@@ -151,41 +151,6 @@ def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q):
     assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 1.25])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
-@pytest.mark.parametrize("flat", [False, True], ids=["peaked", "flat"])
-def test_attend_short_one_head_selection(alpha, fused, flat, monkeypatch):
-    """Short selections with one query head per row (here up to the 2048-token
-    limit) run as one FINISH launch (or, switched off, the split path): the
-    output and tau must match the reference, with flat scores too (every
-    token a candidate: the longest register list), with empty rows, and with
-    a warm start for the general-alpha solver."""
-    A = sys.modules["entmaxkv.kernels.attention"]
-    monkeypatch.setattr(A, "FUSED", fused)
-    H, P, D = 3, 16, 32
-    lens = [2048, 700, 33]
-    cache, ids, q, sl = setup(lens, H, 1, D, P, torch.float16, seed=13, key_scale=0.02 if flat else 1.5,
-                              slopes=not flat)
-    gen = torch.Generator().manual_seed(14)
-    W = 128
-    pages = torch.zeros(3, H, W, dtype=torch.int32)
-    counts = torch.zeros(3, H, dtype=torch.int32)
-    for b, n in enumerate(lens):
-        npages = -(-n // P)
-        for h in range(H):
-            k = 0 if (b == 2 and h == 1) else npages - int(torch.randint(0, 2, (1,), generator=gen)) * (npages > 1)
-            pages[b, h, :k] = torch.randperm(npages, generator=gen)[:k].to(torch.int32)
-            counts[b, h] = k
-    sel = Selection(pages.to(DEV), counts.to(DEV))
-    ref, rtau = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=0.2, slopes=sl)
-    init = (rtau + 0.01).float().to(DEV) if alpha == 1.25 else None
-    out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.2, slopes=sl, tau_init=init)
-    assert rel_err(out, ref) < TOL[torch.float16]
-    empty = (counts == 0).to(DEV)
-    assert torch.isinf(tau[empty]).all() and (out[empty] == 0).all()
-    assert (tau[~empty].double() - rtau[~empty]).abs().max() < 1e-5
-
-
 def test_float64_query_runs_in_float32():
     cache, ids, q, _ = setup([50, 17], 1, 2, 16, 8, torch.float32, seed=4)
     out, tau = K.dense_attend(q.double(), cache, ids, alpha=1.5, scale=0.25)

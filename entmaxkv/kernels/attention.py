@@ -94,18 +94,11 @@ DOT_ENTMAX_PER_SM = 2
 SMALL_SEL_TOKENS = 2048
 SMALL_SEL = (32, 1, 2)
 SMALL_SEL_FACTOR = 16
-# Those short one-head selections run in a single launch instead (FINISH: one
-# program per row also normalises / solves tau and gathers V), with these
-# (BLOCK_T, num_warps, num_stages). False: the split path above.
-FUSED = True
-FUSED_SEL = (256, 8, 3)
 
 
 def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool, itemsize: int = 2,
-          dense: bool = True, finish: bool = True) -> dict:
-    """Block sizes and split count from shapes only (graph-capturable).
-    ``finish``: the caller wants the output, so a short one-head selection
-    may run as one FINISH launch."""
+          dense: bool = True) -> dict:
+    """Block sizes and split count from shapes only (graph-capturable)."""
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
     # (256 x 8 over a selection's page list), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages,
@@ -135,20 +128,14 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         stages = 3
     rows = B * S
     factor = SPLIT_FACTOR
-    short = not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
-    fused = short and finish and FUSED
-    if fused:
-        block_t, warps, stages = FUSED_SEL
-    elif short and (softmax or rows < num_sms(device)):
+    if (not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
+            and (softmax or rows < num_sms(device))):
         (block_t, warps, stages), factor = SMALL_SEL, SMALL_SEL_FACTOR
     key = (NG, D, softmax)
-    if key in TUNE and not fused:
+    if key in TUNE:
         (block_t, warps, stages), factor = TUNE[key], SPLIT_FACTOR
     if interpreting():
         block_t = min(block_t, 32)
-    if fused:
-        return dict(USE_DOT=False, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t, NSPLIT=1,
-                    FINISH=True, num_warps=warps, num_stages=stages)
     if use_dot and not softmax:
         want = max(1, int(DOT_ENTMAX_PER_SM * num_sms(device)) // rows)
     else:
@@ -156,7 +143,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     tokens = W * P
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t,
-                NSPLIT=nsplit, FINISH=False, num_warps=warps, num_stages=stages)
+                NSPLIT=nsplit, num_warps=warps, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------
@@ -255,12 +242,11 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ids_ptr, pages_ptr, counts_ptr, slopes_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
     cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr,
-    out_ptr, tau_ptr, tinit_ptr,
-    scale, am1, beta, alpha,
+    scale, am1, beta,
     stride_qb, stride_qh,
     stride_kp, stride_kh, stride_kr,
     stride_vp, stride_vh, stride_vr,
-    stride_bt, stride_pb, stride_ph, stride_cb, stride_ob, stride_oh,
+    stride_bt, stride_pb, stride_ph, stride_cb,
     HQ, G, W, CAP,
     S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr,
@@ -268,9 +254,6 @@ def _split_kernel(
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-    FINISH: tl.constexpr, LIST_P2: tl.constexpr, HAS_INIT: tl.constexpr,
-    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
-    BLOCK_C: tl.constexpr, ACC_ROWS: tl.constexpr,
 ):
     """One (batch row, selection head, split): scores of a share of the kept tokens.
 
@@ -284,14 +267,6 @@ def _split_kernel(
     program compacts its region in place into a list (one prefix sum per
     *row*, a handful, instead of one per tile) and writes its length to
     cn[r * NSPLIT + split], so later passes read only real candidates.
-
-    FINISH (one head, NSPLIT = 1: short selections): the program also does
-    what the later launches would, writing out and tau itself. Softmax:
-    normalises its merged state. Entmax: loads its compacted list (at most
-    LIST_P2 entries) into registers, solves tau there (_solve_tau) and
-    gathers the support's V rows (_vacc_list): one launch instead of four
-    (their launch gaps and round trips through memory were most of the time
-    of a 1024-token selection).
     """
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -418,22 +393,17 @@ def _split_kernel(
                 b_nc += m_c.to(tl.int32)
 
     o_r = (i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s
-    i_h = i_b * HQ + h0  # (FINISH: one head)
-    p_out = out_ptr + i_b.to(tl.int64) * stride_ob + h0 * stride_oh + o_d
     if SOFTMAX:
         if not USE_DOT:  # merge the per-slot states
-            m_all, l_all, acc_all = _merge_states(b_m, b_l, b_acc)
-            b_l = l_all[None]
-            b_acc = acc_all[None, :]
+            m_all = tl.max(b_m, axis=0)
+            m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+            w = tl.exp(b_m - m_use)
+            b_l = tl.sum(w * b_l, axis=0)[None]
+            b_acc = tl.sum(w[:, None] * b_acc, axis=0)[None, :]
             b_m = m_all[None]
-        if FINISH:
-            b_o, tau = _softmax_out(m_all, l_all, acc_all)
-            tl.store(p_out, b_o.to(out_ptr.dtype.element_ty), mask=m_d)
-            tl.store(tau_ptr + i_h, tau)
-        else:
-            tl.store(pm_ptr + o_r, b_m, mask=m_g)
-            tl.store(pl_ptr + o_r, b_l, mask=m_g)
-            tl.store(pacc_ptr + o_r[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
+        tl.store(pm_ptr + o_r, b_m, mask=m_g)
+        tl.store(pl_ptr + o_r, b_l, mask=m_g)
+        tl.store(pacc_ptr + o_r[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
     else:
         # the split's max and a last lb update (a tighter start for the solve)
         if USE_DOT:
@@ -445,60 +415,22 @@ def _split_kernel(
         else:
             b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
             b_cnt = _compact(cx_ptr, ci_ptr, o_c + tl.zeros([1], tl.int64), b_nc[None, :], 1, BLOCK_T)
-            if FINISH:
-                cnt = tl.sum(b_cnt, axis=0)
-                tl.debug_barrier()  # the compacted list is visible to every thread
-                o_l = tl.arange(0, LIST_P2)
-                b_xr = tl.load(cx_ptr + o_c + o_l, mask=o_l < cnt, other=float("-inf"), cache_modifier=".cg")
-                if HAS_INIT:
-                    t_init = tl.load(tinit_ptr + i_h)
-                else:
-                    t_init = 0.0
-                tau = _solve_tau(cx_ptr, b_cnt, cnt, b_xr, b_lb, tl.max(b_top, axis=0), cnt, t_init,
-                                 alpha, beta, CAP, 1, LIST_P2, BETA_KIND, HAS_INIT,
-                                 HALLEY, POLISH, NEWTON_CAP, True)
-                b_o = _vacc_list(v_ptr, cx_ptr, ci_ptr, o_c, cnt, tau, kvh, beta,
-                                 stride_vp, stride_vh, stride_vr, P, D, BLOCK_D, BLOCK_C, BETA_KIND, ACC_ROWS)
-                tl.store(p_out, b_o.to(out_ptr.dtype.element_ty), mask=m_d)
-                tl.store(tau_ptr + i_h, tau)
-            else:
-                tl.store(cn_ptr + o_r, b_cnt, mask=m_g)
-                tl.store(clb_ptr + o_r, b_lb[None], mask=m_g)
-                tl.store(cm_ptr + o_r, tl.max(b_top, axis=0)[None], mask=m_g)
-
-
-@triton.jit
-def _terms(b_x, tau, mshift, beta, BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
-    """Per-candidate terms of the solver's sums (x = -inf: padding, adds nothing).
-
-    ORDER 0: (1, x - mshift, (x - mshift)^2, x, -inf) for x > tau and
-    (0, 0, 0, +inf, x) otherwise: summed / min / max they give the count, the
-    shifted moments, the smallest x above tau and the largest x at or below
-    it, for the closed forms. ORDER 2: (u^beta, u^(beta-1), u^(beta-2)) with
-    u = [x - tau]_+, for f, f', f'' (the last two entries unused)."""
-    on = b_x > tau
-    if ORDER == 0:
-        d = tl.where(on, b_x - mshift, 0.0)
-        t0 = on.to(tl.float32)
-        t1 = d
-        t2 = d * d
-        t3 = tl.where(on, b_x, float("inf"))
-        t4 = tl.where(on, float("-inf"), b_x)
-    else:
-        b_u = tl.where(on, b_x - tau, 0.0)
-        t0, t1 = entmax_pows(b_u, beta, BETA_KIND)
-        t2 = tl.where(on, t1 / tl.where(on, b_u, 1.0), 0.0)
-        t3 = b_x
-        t4 = b_x
-    return t0, t1, t2, t3, t4
+            tl.store(cn_ptr + o_r, b_cnt, mask=m_g)
+            tl.store(clb_ptr + o_r, b_lb[None], mask=m_g)
+            tl.store(cm_ptr + o_r, tl.max(b_top, axis=0)[None], mask=m_g)
 
 
 @triton.jit
 def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
                NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
                BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
-    """Sums of _terms over the candidates of one head in memory: NSPLIT lists
-    of CAP entries at p_x, n_s [NS_P2] entries in use (max_n = their max)."""
+    """Sums over the candidates x > tau of one head: NSPLIT lists of CAP
+    entries at p_x, n_s [NS_P2] entries in use (max_n = their max).
+
+    ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x, max x <= tau)
+    over x > tau, for the closed forms; ORDER 2: (f, f', f'', -, -) of
+    f = sum [x - tau]_+^beta - 1.
+    """
     o_s = tl.arange(0, NS_P2)
     a0 = tl.zeros([NS_P2, BLOCK_K], tl.float32)
     a1 = tl.zeros([NS_P2, BLOCK_K], tl.float32)
@@ -509,39 +441,25 @@ def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k[None, :] < n_s[:, None]
         b_x = tl.load(p_x + (o_s.to(tl.int64) * CAP)[:, None] + o_k[None, :], mask=m_k, other=float("-inf"))
-        t0, t1, t2, t3, t4 = _terms(b_x, tau, mshift, beta, BETA_KIND, ORDER)
-        a0 += t0
-        a1 += t1
-        a2 += t2
-        a3 = tl.minimum(a3, t3)
-        a4 = tl.maximum(a4, t4)
+        on = b_x > tau
+        if ORDER == 0:
+            d = tl.where(on, b_x - mshift, 0.0)
+            a0 += on.to(tl.float32)
+            a1 += d
+            a2 += d * d
+            a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
+            a4 = tl.maximum(a4, tl.where(on, float("-inf"), b_x))
+        else:
+            b_u = tl.where(on, b_x - tau, 0.0)
+            u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
+            a0 += u0
+            a1 += u1
+            a2 += tl.where(on, u1 / tl.where(on, b_u, 1.0), 0.0)
     r0 = tl.sum(tl.sum(a0, axis=1), axis=0)
     r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
     r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
     r3 = tl.min(tl.min(a3, axis=1), axis=0)
     r4 = tl.max(tl.max(a4, axis=1), axis=0)
-    return r0, r1, r2, r3, r4
-
-
-@triton.jit
-def _sums(p_x, n_s, max_n, b_xr, tau, mshift, beta, CAP,
-          NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
-          BETA_KIND: tl.constexpr, ORDER: tl.constexpr, IN_REGS: tl.constexpr):
-    """The solver's sums over a head's candidates: from memory (_cand_sums) or,
-    IN_REGS, over b_xr (1-D, padding -inf) held in registers.
-
-    ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x, max x <= tau)
-    over x > tau; ORDER 2: (f, f', f'', -, -) of f = sum [x - tau]_+^beta - 1."""
-    if IN_REGS:
-        t0, t1, t2, t3, t4 = _terms(b_xr, tau, mshift, beta, BETA_KIND, ORDER)
-        r0 = tl.sum(t0, axis=0)
-        r1 = tl.sum(t1, axis=0)
-        r2 = tl.sum(t2, axis=0)
-        r3 = tl.min(t3, axis=0)
-        r4 = tl.max(t4, axis=0)
-    else:
-        r0, r1, r2, r3, r4 = _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP, NS_P2, BLOCK_K,
-                                        BETA_KIND, ORDER)
     if ORDER == 2:
         r0 = r0 - 1.0  # f
         r1 = -beta * r1  # f'
@@ -550,15 +468,23 @@ def _sums(p_x, n_s, max_n, b_xr, tau, mshift, beta, CAP,
 
 
 @triton.jit
-def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
-               NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
-               BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
-               HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
-               IN_REGS: tl.constexpr):
-    """Exact tau of one query head over its ``total`` candidates (lists in
-    memory, or b_xr in registers: see _sums), every other kept x being
-    <= lb <= tau; m: their largest x; t_init: the warm start (HAS_INIT).
-    +inf when there is no candidate."""
+def _solve_kernel(
+    cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
+    alpha, beta, CAP,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
+    BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
+    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
+):
+    """Exact tau of one query head over its candidates."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, NS_P2)
+    m_s = o_s < NSPLIT
+    lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
+    max_n = tl.max(n_s, axis=0)
+    p_x = cx_ptr + i_r * NSPLIT * CAP
+    total = tl.sum(n_s, axis=0)
     empty = total == 0
     m = tl.where(empty, 0.0, m)
 
@@ -575,8 +501,7 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
         it = tl.full([], 0, tl.int32)
         go = tl.full([], 1, tl.int32)
         while (go != 0) & (it < NEWTON_CAP):
-            k, s1, s2, mn, mx_off = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K,
-                                          BETA_KIND, 0, IN_REGS)
+            k, s1, s2, mn, mx_off = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 0)
             kk = tl.maximum(k, 1.0)
             dt = tau - m
             # (tau >= lo, so a closed form rounding below lo is taken as lo)
@@ -600,12 +525,13 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
             it += 1
     else:
         if HAS_INIT:
-            t0 = tl.where(t_init == t_init, t_init, lo)  # NaN -> lo
+            t0 = tl.load(tinit_ptr + i_r)
+            t0 = tl.where(t0 == t0, t0, lo)  # NaN -> lo
             tau = tl.minimum(tl.maximum(t0, lo), hi)
         else:
             tau = lo
         for _ in range(HALLEY):
-            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2, IN_REGS)
+            f, d1, d2, _mn, _mx = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2)
             above = f > 0
             lo = tl.where(above, tau, lo)
             hi = tl.where(above, hi, tau)
@@ -618,51 +544,40 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
             ok = (cand >= lo) & (cand <= hi) & (d1 != 0)
             tau = tl.where(ok, cand, 0.5 * (lo + hi))
         for _ in range(POLISH):
-            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2, IN_REGS)
+            f, d1, d2, _mn, _mx = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2)
             step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
             tau = tl.minimum(tl.maximum(tau + step, lo), hi)
-    return tl.where(empty, float("inf"), tau)
-
-
-@triton.jit
-def _solve_kernel(
-    cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
-    alpha, beta, CAP,
-    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
-    BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
-    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
-):
-    """Exact tau of one query head over the candidate lists of its splits."""
-    i_r = tl.program_id(0).to(tl.int64)
-    o_s = tl.arange(0, NS_P2)
-    m_s = o_s < NSPLIT
-    lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
-    if HAS_INIT:
-        t_init = tl.load(tinit_ptr + i_r)
-    else:
-        t_init = 0.0
-    tau = _solve_tau(cx_ptr + i_r * NSPLIT * CAP, n_s, tl.max(n_s, axis=0), lb, lb, m, tl.sum(n_s, axis=0),
-                     t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
-                     HALLEY, POLISH, NEWTON_CAP, False)
+    tau = tl.where(empty, float("inf"), tau)
     tl.store(tau_ptr + i_r, tau)
 
 
 @triton.jit
-def _vacc_list(v_ptr, cx_ptr, ci_ptr, p_l, n, tau, kvh, beta,
-               stride_vp, stride_vh, stride_vr,
-               P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-               BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr):
-    """sum_j p_j v_j [BLOCK_D] over the n candidates (score, token) at p_l,
-    p = [x - tau]_+^beta; V rows are gathered only where p > 0.
+def _vacc_kernel(
+    v_ptr, cx_ptr, ci_ptr, cn_ptr, tau_ptr, pacc_ptr,
+    beta, CAP,
+    stride_vp, stride_vh, stride_vr,
+    HQ, G,
+    NSPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr,
+):
+    """p = [x - tau]_+^beta over the candidate list of one (query head, split);
+    V rows are gathered only where p > 0 (usually one short block per list).
 
-    Token ids load with the scores (not after p > 0 is known: one dependent
-    round trip less). ACC_ROWS: a [BLOCK_C, D] accumulator summed once at the
-    end (small D, long lists); otherwise one [D] row, summed per block (few
-    registers)."""
+    The kernel is latency-bound: token ids load with the scores (not after
+    p > 0 is known: one dependent round trip less). ACC_ROWS: a [BLOCK_C, D]
+    accumulator summed once at the end (small D, long lists); otherwise one
+    [D] row, summed per block: few registers, so that many one-warp programs
+    fit per SM (large D, where the grid B*HQ x NSPLIT is large and the lists
+    short)."""
+    i_h = tl.program_id(0)  # b * HQ + query head
+    i_s = tl.program_id(1)
+    kvh = (i_h % HQ) // G
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
+    r = i_h.to(tl.int64)
+    tau = tl.load(tau_ptr + r)
+    n = tl.load(cn_ptr + r * NSPLIT + i_s)
+    p_l = (r * NSPLIT + i_s) * CAP
     if ACC_ROWS:
         b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
     else:
@@ -682,53 +597,10 @@ def _vacc_list(v_ptr, cx_ptr, ci_ptr, p_l, n, tau, kvh, beta,
         else:
             b_acc += tl.sum(b_pv, axis=0)
     if ACC_ROWS:
-        return tl.sum(b_acc, axis=0)
+        b_out = tl.sum(b_acc, axis=0)
     else:
-        return b_acc
-
-
-@triton.jit
-def _vacc_kernel(
-    v_ptr, cx_ptr, ci_ptr, cn_ptr, tau_ptr, pacc_ptr,
-    beta, CAP,
-    stride_vp, stride_vh, stride_vr,
-    HQ, G,
-    NSPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr,
-):
-    """_vacc_list over the candidate list of one (query head, split): usually
-    one short block. The kernel is latency-bound: ACC_ROWS for small D (long
-    lists); one [D] row for large D, where the grid B*HQ x NSPLIT is large
-    and the lists short, so that many one-warp programs fit per SM."""
-    i_h = tl.program_id(0)  # b * HQ + query head
-    i_s = tl.program_id(1)
-    kvh = (i_h % HQ) // G
-    r = i_h.to(tl.int64)
-    tau = tl.load(tau_ptr + r)
-    n = tl.load(cn_ptr + r * NSPLIT + i_s)
-    b_out = _vacc_list(v_ptr, cx_ptr, ci_ptr, (r * NSPLIT + i_s) * CAP, n, tau, kvh, beta,
-                       stride_vp, stride_vh, stride_vr, P, D, BLOCK_D, BLOCK_C, BETA_KIND, ACC_ROWS)
-    o_d = tl.arange(0, BLOCK_D)
-    tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, b_out, mask=o_d < D)
-
-
-@triton.jit
-def _merge_states(b_m, b_l, b_acc):
-    """Merge softmax states (running max b_m [N], sum b_l [N], accumulator
-    b_acc [N, BLOCK_D]; max -inf: empty) into one (max, sum, accumulator)."""
-    m = tl.max(b_m, axis=0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(b_m - m_use)
-    return m, tl.sum(w * b_l, axis=0), tl.sum(w[:, None] * b_acc, axis=0)
-
-
-@triton.jit
-def _softmax_out(m, l, acc):
-    """(output, log-sum-exp) of a merged softmax state; zeros and +inf when empty."""
-    empty = m == float("-inf")
-    l_use = tl.where(empty, 1.0, l)
-    b_o = tl.where(empty, 0.0, acc / l_use)
-    return b_o, tl.where(empty, float("inf"), m + tl.log(l_use))
+        b_out = b_acc
+    tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, b_out, mask=m_d)
 
 
 @triton.jit
@@ -748,8 +620,15 @@ def _combine_kernel(
     if SOFTMAX:
         b_m = tl.load(pm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf"))
         b_l = tl.load(pl_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0.0)
-        m, l, acc = _merge_states(b_m, b_l, b_acc)
-        b_o, tau = _softmax_out(m, l, acc)
+        m = tl.max(b_m, axis=0)
+        empty = m == float("-inf")
+        m_use = tl.where(empty, 0.0, m)
+        w = tl.exp(b_m - m_use)
+        l = tl.sum(w * b_l, axis=0)
+        l_use = tl.where(empty, 1.0, l)
+        b_o = tl.sum(w[:, None] * b_acc, axis=0) / l_use
+        b_o = tl.where(empty, 0.0, b_o)
+        tau = tl.where(empty, float("inf"), m_use + tl.log(l_use))
         tl.store(tau_ptr + i_r, tau)
     else:
         b_o = tl.sum(b_acc, axis=0)
@@ -786,8 +665,8 @@ def _run(
     dev = q.device
     qk = q.float() if q.dtype == torch.float64 else q  # the oracle dtype runs in float32
     softmax = alpha == 1.0
-    cfg = _plan(B, S, NG, D, W, P, dev, softmax, cache.k_pages.element_size(), dense, want_out)
-    NSPLIT, BLOCK_T, finish = cfg["NSPLIT"], cfg["BLOCK_T"], cfg["FINISH"]
+    cfg = _plan(B, S, NG, D, W, P, dev, softmax, cache.k_pages.element_size(), dense)
+    NSPLIT, BLOCK_T = cfg["NSPLIT"], cfg["BLOCK_T"]
     NS_P2 = next_pow2(NSPLIT)
     dot_f32, prec = dot_flags(cache.dtype)
     if qk.dtype != cache.dtype:
@@ -820,37 +699,26 @@ def _run(
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
-    tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
-    out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
-    block_d = next_pow2(D)
-    vblock, vwarps, vrows = VACC_SMALL_D if block_d <= 64 else VACC_LARGE_D
-    vblock = max(16, min(vblock, 8192 // block_d))
 
     _split_kernel[(B * S, NSPLIT)](
         qk, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
         pm, pl, pacc,
         cx, ci, cn, clb, cm,
-        out, tau, tinit,
-        float(scale), float(alpha - 1.0), float(beta), float(alpha),
+        float(scale), float(alpha - 1.0), float(beta),
         qk.stride(0), qk.stride(1),
         skp, skh, skr, svp, svh, svr,
         cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
-        out.stride(0), out.stride(1),
         HQ, G, W, CAP,
         S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec,
-        FINISH=finish, LIST_P2=next_pow2(CAP) if finish else 1, HAS_INIT=tau_init is not None,
-        HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
-        BLOCK_C=vblock, ACC_ROWS=vrows,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if finish:
-        return out, tau.view(B, HQ)
     if not softmax:
         block_k = max(4, 2048 // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
+        tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
         _solve_kernel[(R,)](
             cx, cn, clb, cm, tinit, tau,
             float(alpha), float(beta), CAP,
@@ -861,15 +729,18 @@ def _run(
         )
         if not want_out:
             return None, tau.view(B, HQ)
+        block_d = next_pow2(D)
+        vblock, vwarps, vrows = VACC_SMALL_D if block_d <= 64 else VACC_LARGE_D
         _vacc_kernel[(R, NSPLIT)](
             cache.v_pages, cx, ci, cn, tau, pacc,
             float(beta), CAP,
             svp, svh, svr,
             HQ, G,
             NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
-            BLOCK_C=vblock, BETA_KIND=bk, ACC_ROWS=vrows,
+            BLOCK_C=max(16, min(vblock, 8192 // block_d)), BETA_KIND=bk, ACC_ROWS=vrows,
             num_warps=vwarps,
         )
+    out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
     _combine_kernel[(R,)](
         pm, pl, pacc, tau, out,
         out.stride(0), out.stride(1), HQ,
