@@ -154,7 +154,7 @@ def time_keys(T, q, cache, ids, scale, flush, reps):
     plan = {}
 
     def launch():
-        plan.update(T.launch_keys(q, sl, ids32, cache, keys, None, MK, scale, 0, 0, k_pages, has_alibi=False)[1])
+        plan.update(T.launch_keys(q, sl, ids32, cache, keys, None, MK, scale, 0, 0, k_pages, has_alibi=False))
 
     g, _ = capture(launch)
     ms, _ = time_graph(g, flush, 5, reps)

@@ -200,7 +200,7 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
 
 
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
-@pytest.mark.parametrize("prefilter", [True, 16, False], ids=["prefilter", "prefilter-merged", "no-prefilter"])
+@pytest.mark.parametrize("prefilter", [True, False], ids=["prefilter", "no-prefilter"])
 def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
     """Long MHA rows, small budget: more group maxima (_keys_kernel programs)
     than pages kept, so _chunk_kernel drops every page below the k-th largest
@@ -208,13 +208,8 @@ def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
     best pages crowd into one chunk (more survivors than k there: the
     bisection fallback); ties: 300 pages share the top bound, so which pages
     are kept is arbitrary but they must be k_row pages of the top rank.
-    The bound comes from the keys pass's group maxima (one per 16 pages, 64
-    per row) and _lb_kernel; "prefilter-merged" has _lb_kernel merge them
-    into 16 groups first."""
-    topk_mod = sys.modules["entmaxkv.kernels.topk"]
-    monkeypatch.setattr(topk_mod, "PREFILTER", bool(prefilter))
-    if prefilter is not True and prefilter:
-        monkeypatch.setattr(topk_mod, "GMAX_GROUPS", prefilter)
+    The bound comes from _gmax_kernel + _lb_kernel."""
+    monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "PREFILTER", prefilter)
     gen = torch.Generator().manual_seed(21)
     B, n, H, D, P = 2, 4000, 2, 16, 4
     k = torch.randn(B, n, H, D, generator=gen)

@@ -12,10 +12,10 @@ max(budget // P, forced) best pages. No sort and no torch.topk:
 0. ``_keys_kernel`` (grid B x page blocks; one query head per KV head only):
    the rank keys of a block of pages for a group of heads per step, from
    contiguous reads of their k_min/k_max (packed cache layout), written to a
-   [B*S, NCH*CH] key table, with the largest key of each block of BLOCK_M
-   pages and head (the group maxima). The K-th largest group maximum lb is a
-   lower bound on the row's K-th key (the pre-filter); ``_lb_kernel``
-   (grid B*S) finds it once per row.
+   [B*S, NCH*CH] key table; then ``_gmax_kernel`` (grid B*S x group blocks):
+   the largest key of each of about GMAX_GROUPS page groups per row. The K-th
+   largest group maximum lb is a lower bound on the row's K-th key (the
+   pre-filter); ``_lb_kernel`` (grid B*S) finds it once per row.
 1. ``_chunk_kernel`` (grid B*S x NCH): otherwise scores CH pages
    (CH = NSUB * BLOCK_M) of one row from k_min/k_max and maps each rank to an
    int32 key with the same order. With the pre-filter, a chunk with at most
@@ -54,10 +54,8 @@ SELECT_CH = 4096
 # Pre-filter each chunk with a lower bound on its row's K-th key from group
 # maxima of the key table (the all-heads path); tests switch it off.
 PREFILTER = True
-# Groups per row behind the pre-filter's lower bound: _lb_kernel merges the
-# keys pass's group maxima (one per BLOCK_M pages) down to at most this many
-# and finds the k-th largest of them (more groups, a tighter bound, a longer
-# search).
+# Groups per row behind the pre-filter's lower bound (_lb_kernel finds the
+# k-th largest of them: more groups, a tighter bound, a longer search).
 GMAX_GROUPS = 512
 # Pages per _keys_kernel program.
 KEYS_CH = 32
@@ -75,8 +73,6 @@ KEYS_TUNE: dict = {}
 LB_WARPS = 1
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
-# Warps of the register merge (0: merge_warps), for sweeps.
-MERGE_WARPS = 0
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -195,9 +191,9 @@ def row_budget(n, sinks, window, k_pages, P: tl.constexpr):
 
 @triton.jit
 def _keys_kernel(
-    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, gmax_ptr, ub_ptr,
+    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
-    M, MK, NKP, sinks, window, k_pages,
+    M, MK, sinks, window, k_pages,
     H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
 ):
@@ -208,11 +204,7 @@ def _keys_kernel(
     before computing this step's keys measured no faster:
     results/tune_keys.log.) Keys go to
     key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
-    MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY, and
-    the largest key of each block of BLOCK_M pages to
-    gmax_ptr[(b * H + h) * NKP + page // BLOCK_M] (NKP = cdiv(MK, BLOCK_M)):
-    the pre-filter's group maxima, a [BLOCK_M, HG] reduction per step (a
-    separate pass over the key table took 3-5 us plus a launch)."""
+    MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY."""
     i_b = tl.program_id(0)
     i_c = tl.program_id(1)
     KCH: tl.constexpr = NSUB * BLOCK_M
@@ -265,28 +257,40 @@ def _keys_kernel(
         b_rank = tl.where(forced[:, None], float("inf"), b_u)
         b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
         tl.store(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, mask=(o_m < MK)[:, None] & m_h[None, :])
-        i_grp = i_c * NSUB + s // NHG + 0 * o_g  # [HG]: a vector mask
-        tl.store(gmax_ptr + o_row * NKP + i_grp, tl.max(b_key, axis=0), mask=m_h & (i_grp < NKP))
+
+
+@triton.jit
+def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr):
+    """The largest key of each group of GS pages of a key-table row
+    (gmax[row * NKP + group], NKP = MK // GS groups): the pre-filter's group
+    maxima. A pass of its own: carrying the maxima through _keys_kernel's
+    loop measured 1.25x slower on that pass (146.6 vs 117.2 us at 1 x 2M),
+    and holding a whole row per program (to find lb there too) 12.9 us where
+    this pass and _lb_kernel take 3.4 + 4.8 us (8 x 128k)."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_g = tl.program_id(1) * GB + tl.arange(0, GB)
+    m_g = o_g < NKP
+    b_key = tl.load(key_ptr + i_r * MK + o_g[:, None] * GS + tl.arange(0, GS)[None, :],
+                    mask=m_g[:, None], other=INT32_MIN)
+    tl.store(gmax_ptr + i_r * NKP + o_g, tl.max(b_key, axis=1), mask=m_g)
 
 
 @triton.jit
 def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
-               S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr, NGRP: tl.constexpr):
-    """lb of one row from its NKP group maxima, merged (max) into NGRP larger
-    groups: their k_row-th largest. They are keys of distinct pages, so
-    >= k_row pages have key >= lb, the row's k_row-th key is >= lb, and no
-    page below lb is ever kept (with fewer than k_row groups at or above it:
-    INT32_MIN, no filter). Found once per row here instead of in each of the
-    row's chunk programs, where the bisection over the maxima was most of
-    _chunk_kernel's work (22.2 -> 11.0 us at 1 x 2M)."""
+               S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr):
+    """lb of one row from its NKP group maxima: their k_row-th largest. They
+    are keys of distinct pages, so >= k_row pages have key >= lb, the row's
+    k_row-th key is >= lb, and no page below lb is ever kept (with fewer than
+    k_row groups at or above it: INT32_MIN, no filter). Found once per row
+    here instead of in each of the row's chunk programs, where the bisection
+    over the maxima was most of _chunk_kernel's work (22.2 -> 11.0 us at
+    1 x 2M)."""
     i_r = tl.program_id(0).to(tl.int64)
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
     o_p = tl.arange(0, NKP_P2)
     b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-    if NGRP < NKP_P2:  # consecutive maxima merged: a shorter bisection, nearly as tight
-        b_gm = tl.max(tl.reshape(b_gm, [NGRP, NKP_P2 // NGRP]), axis=1)
     lb = kth_largest(b_gm, k_row)
     tl.store(lb_ptr + i_r, tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN))
 
@@ -472,30 +476,26 @@ def _merge_kernel(
 
 
 def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, window: int,
-                k_pages: int, *, has_alibi: bool) -> Tuple[torch.Tensor, dict]:
+                k_pages: int, *, has_alibi: bool) -> dict:
     """Launch _keys_kernel (one query head per KV head): rank keys of every
     page and head into ``keys`` [B * H * MK] int32 and, when ``ub`` is given,
     the certified bounds into it. ``sl``: as_slopes output; ``ids``: int32
-    cache slots. Returns the group maxima (int32 [B * H, NKP], one per
-    BLOCK_M pages) and the keys_plan used (benchmarks/tune_keys.py times
+    cache slots. Returns the keys_plan used (benchmarks/tune_keys.py times
     this launch alone)."""
     B, _, D = q.shape
     H, P = cache.kv_heads, cache.page_size
     M = cache.block_table.shape[1]
     smp, smh = meta_strides(cache)
     kp = keys_plan(B, MK, H, D, num_sms(q.device))
-    NKP = cdiv(MK, kp["BLOCK_M"])
-    gmax = torch.empty(B * H, NKP, dtype=torch.int32, device=q.device)
     _keys_kernel[(B, cdiv(MK, kp["KCH"]))](
-        q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, gmax,
-        ub if ub is not None else keys,
+        q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if ub is not None else keys,
         float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
-        M, MK, NKP, int(sinks), int(window), k_pages,
+        M, MK, int(sinks), int(window), k_pages,
         H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
         BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
         HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, num_warps=kp["WARPS"],
     )
-    return gmax, kp
+    return kp
 
 
 def topk_width(M: int, page_size: int, budget: int, sinks: int, window: int) -> Tuple[int, int]:
@@ -561,13 +561,18 @@ def select_topk(
     lbs = torch.empty(B * S, dtype=torch.int32, device=dev)
     prefilter = all_heads and PREFILTER
     if all_heads:
-        gmax, _ = launch_keys(q, sl, ids, cache, keys, ub, NCH * CH, scale, sinks, window, k_pages,
-                              has_alibi=slopes is not None)
+        launch_keys(q, sl, ids, cache, keys, ub, NCH * CH, scale, sinks, window, k_pages,
+                    has_alibi=slopes is not None)
     if prefilter:
-        NKP = gmax.shape[1]
-        nkp_p2 = next_pow2(NKP)
+        # about GMAX_GROUPS groups per row (powers of two: GS divides CH)
+        MK = NCH * CH
+        gs = min(CH, next_pow2(cdiv(MK, GMAX_GROUPS)))
+        NKP = MK // gs
+        gb = max(1, 4096 // gs)
+        gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
+        _gmax_kernel[(B * S, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4)
         _lb_kernel[(B * S,)](gmax, lbs, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
-                             S=S, P=P, NKP_P2=nkp_p2, NGRP=min(nkp_p2, GMAX_GROUPS), num_warps=LB_WARPS)
+                             S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS)
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
         keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
@@ -587,7 +592,6 @@ def select_topk(
             ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
             W, int(sinks), int(window), k_pages,
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
-            PREFILTER=prefilter,
-            num_warps=(MERGE_WARPS or merge_warps(nch_p2 * block_w)) if one_tile else 8,
+            PREFILTER=prefilter, num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8,
         )
     return Selection(pages, counts)
