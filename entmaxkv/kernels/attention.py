@@ -68,6 +68,9 @@ TILE_NEWTON = 1
 # config) 128 x 4 warps with a [block, D] accumulator, 8.4 us at 8 x 128k;
 # larger d (GQA config) 32 x 1 warp with one [D] row, 8.0 us at 4 x 32k
 # (the former: 33.6 us there).
+# _solve_kernel: iterate in registers when every candidate list of a head fits
+# one tile (tests switch it off to cover the memory path on small shapes).
+SOLVE_IN_REGS = True
 VACC_SMALL_D = (128, 4, True)
 VACC_LARGE_D = (32, 1, False)
 
@@ -421,16 +424,37 @@ def _split_kernel(
 
 
 @triton.jit
+def _terms(b_x, tau, mshift, beta, BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
+    """Per-candidate terms of the solver's sums (x = -inf: padding, adds nothing).
+
+    ORDER 0: (1, x - mshift, (x - mshift)^2, x, -inf) for x > tau and
+    (0, 0, 0, +inf, x) otherwise: summed / min / max they give the count, the
+    shifted moments, the smallest x above tau and the largest x at or below
+    it, for the closed forms. ORDER 2: (u^beta, u^(beta-1), u^(beta-2)) with
+    u = [x - tau]_+, for f, f', f'' (the last two entries unused)."""
+    on = b_x > tau
+    if ORDER == 0:
+        d = tl.where(on, b_x - mshift, 0.0)
+        t0 = on.to(tl.float32)
+        t1 = d
+        t2 = d * d
+        t3 = tl.where(on, b_x, float("inf"))
+        t4 = tl.where(on, float("-inf"), b_x)
+    else:
+        b_u = tl.where(on, b_x - tau, 0.0)
+        t0, t1 = entmax_pows(b_u, beta, BETA_KIND)
+        t2 = tl.where(on, t1 / tl.where(on, b_u, 1.0), 0.0)
+        t3 = b_x
+        t4 = b_x
+    return t0, t1, t2, t3, t4
+
+
+@triton.jit
 def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
                NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
                BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
-    """Sums over the candidates x > tau of one head: NSPLIT lists of CAP
-    entries at p_x, n_s [NS_P2] entries in use (max_n = their max).
-
-    ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x, max x <= tau)
-    over x > tau, for the closed forms; ORDER 2: (f, f', f'', -, -) of
-    f = sum [x - tau]_+^beta - 1.
-    """
+    """Sums of _terms over the candidates of one head in memory: NSPLIT lists
+    of CAP entries at p_x, n_s [NS_P2] entries in use (max_n = their max)."""
     o_s = tl.arange(0, NS_P2)
     a0 = tl.zeros([NS_P2, BLOCK_K], tl.float32)
     a1 = tl.zeros([NS_P2, BLOCK_K], tl.float32)
@@ -441,25 +465,39 @@ def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k[None, :] < n_s[:, None]
         b_x = tl.load(p_x + (o_s.to(tl.int64) * CAP)[:, None] + o_k[None, :], mask=m_k, other=float("-inf"))
-        on = b_x > tau
-        if ORDER == 0:
-            d = tl.where(on, b_x - mshift, 0.0)
-            a0 += on.to(tl.float32)
-            a1 += d
-            a2 += d * d
-            a3 = tl.minimum(a3, tl.where(on, b_x, float("inf")))
-            a4 = tl.maximum(a4, tl.where(on, float("-inf"), b_x))
-        else:
-            b_u = tl.where(on, b_x - tau, 0.0)
-            u0, u1 = entmax_pows(b_u, beta, BETA_KIND)
-            a0 += u0
-            a1 += u1
-            a2 += tl.where(on, u1 / tl.where(on, b_u, 1.0), 0.0)
+        t0, t1, t2, t3, t4 = _terms(b_x, tau, mshift, beta, BETA_KIND, ORDER)
+        a0 += t0
+        a1 += t1
+        a2 += t2
+        a3 = tl.minimum(a3, t3)
+        a4 = tl.maximum(a4, t4)
     r0 = tl.sum(tl.sum(a0, axis=1), axis=0)
     r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
     r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
     r3 = tl.min(tl.min(a3, axis=1), axis=0)
     r4 = tl.max(tl.max(a4, axis=1), axis=0)
+    return r0, r1, r2, r3, r4
+
+
+@triton.jit
+def _sums(p_x, n_s, max_n, b_xr, tau, mshift, beta, CAP,
+          NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
+          BETA_KIND: tl.constexpr, ORDER: tl.constexpr, IN_REGS: tl.constexpr):
+    """The solver's sums over a head's candidates: from memory (_cand_sums) or,
+    IN_REGS, over b_xr (1-D, padding -inf) held in registers.
+
+    ORDER 0: (count, sum(x - mshift), sum((x - mshift)^2), min x, max x <= tau)
+    over x > tau; ORDER 2: (f, f', f'', -, -) of f = sum [x - tau]_+^beta - 1."""
+    if IN_REGS:
+        t0, t1, t2, t3, t4 = _terms(b_xr, tau, mshift, beta, BETA_KIND, ORDER)
+        r0 = tl.sum(t0, axis=0)
+        r1 = tl.sum(t1, axis=0)
+        r2 = tl.sum(t2, axis=0)
+        r3 = tl.min(t3, axis=0)
+        r4 = tl.max(t4, axis=0)
+    else:
+        r0, r1, r2, r3, r4 = _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP, NS_P2, BLOCK_K,
+                                        BETA_KIND, ORDER)
     if ORDER == 2:
         r0 = r0 - 1.0  # f
         r1 = -beta * r1  # f'
@@ -468,23 +506,15 @@ def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
 
 
 @triton.jit
-def _solve_kernel(
-    cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
-    alpha, beta, CAP,
-    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
-    BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
-    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
-):
-    """Exact tau of one query head over its candidates."""
-    i_r = tl.program_id(0).to(tl.int64)
-    o_s = tl.arange(0, NS_P2)
-    m_s = o_s < NSPLIT
-    lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
-    max_n = tl.max(n_s, axis=0)
-    p_x = cx_ptr + i_r * NSPLIT * CAP
-    total = tl.sum(n_s, axis=0)
+def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
+               NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
+               BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
+               HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
+               IN_REGS: tl.constexpr):
+    """Exact tau of one query head over its ``total`` candidates (lists in
+    memory, or b_xr in registers: see _sums), every other kept x being
+    <= lb <= tau; m: their largest x; t_init: the warm start (HAS_INIT).
+    +inf when there is no candidate."""
     empty = total == 0
     m = tl.where(empty, 0.0, m)
 
@@ -501,7 +531,8 @@ def _solve_kernel(
         it = tl.full([], 0, tl.int32)
         go = tl.full([], 1, tl.int32)
         while (go != 0) & (it < NEWTON_CAP):
-            k, s1, s2, mn, mx_off = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 0)
+            k, s1, s2, mn, mx_off = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K,
+                                          BETA_KIND, 0, IN_REGS)
             kk = tl.maximum(k, 1.0)
             dt = tau - m
             # (tau >= lo, so a closed form rounding below lo is taken as lo)
@@ -525,13 +556,12 @@ def _solve_kernel(
             it += 1
     else:
         if HAS_INIT:
-            t0 = tl.load(tinit_ptr + i_r)
-            t0 = tl.where(t0 == t0, t0, lo)  # NaN -> lo
+            t0 = tl.where(t_init == t_init, t_init, lo)  # NaN -> lo
             tau = tl.minimum(tl.maximum(t0, lo), hi)
         else:
             tau = lo
         for _ in range(HALLEY):
-            f, d1, d2, _mn, _mx = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2)
+            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2, IN_REGS)
             above = f > 0
             lo = tl.where(above, tau, lo)
             hi = tl.where(above, hi, tau)
@@ -544,10 +574,48 @@ def _solve_kernel(
             ok = (cand >= lo) & (cand <= hi) & (d1 != 0)
             tau = tl.where(ok, cand, 0.5 * (lo + hi))
         for _ in range(POLISH):
-            f, d1, d2, _mn, _mx = _cand_sums(p_x, n_s, max_n, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2)
+            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2, IN_REGS)
             step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
             tau = tl.minimum(tl.maximum(tau + step, lo), hi)
-    tau = tl.where(empty, float("inf"), tau)
+    return tl.where(empty, float("inf"), tau)
+
+
+@triton.jit
+def _solve_kernel(
+    cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
+    alpha, beta, CAP,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
+    BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
+    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, IN_REGS: tl.constexpr,
+):
+    """Exact tau of one query head over the candidate lists of its splits
+    (from registers when they fit one tile, else from memory)."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, NS_P2)
+    m_s = o_s < NSPLIT
+    lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
+    if HAS_INIT:
+        t_init = tl.load(tinit_ptr + i_r)
+    else:
+        t_init = 0.0
+    p_x = cx_ptr + i_r * NSPLIT * CAP
+    max_n = tl.max(n_s, axis=0)
+    total = tl.sum(n_s, axis=0)
+    if IN_REGS and max_n <= BLOCK_K:
+        # every list fits one [NS_P2, BLOCK_K] tile (short selections): load it
+        # once and iterate in registers, not one round trip to L2 per step
+        o_k = tl.arange(0, BLOCK_K)
+        b_x = tl.load(p_x + (o_s.to(tl.int64) * CAP)[:, None] + o_k[None, :],
+                      mask=o_k[None, :] < n_s[:, None], other=float("-inf"))
+        tau = _solve_tau(p_x, n_s, max_n, tl.reshape(b_x, [NS_P2 * BLOCK_K]), lb, m, total,
+                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                         HALLEY, POLISH, NEWTON_CAP, True)
+    else:
+        tau = _solve_tau(p_x, n_s, max_n, lb, lb, m, total,
+                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                         HALLEY, POLISH, NEWTON_CAP, False)
     tl.store(tau_ptr + i_r, tau)
 
 
@@ -724,7 +792,7 @@ def _run(
             float(alpha), float(beta), CAP,
             NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
             BETA_KIND=bk, HAS_INIT=tau_init is not None,
-            HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
+            HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX, IN_REGS=SOLVE_IN_REGS,
             num_warps=8,
         )
         if not want_out:
