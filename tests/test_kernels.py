@@ -398,3 +398,25 @@ def test_decode_dispatches_to_kernels():
         assert rel_err(out, ref) < 1e-4, pol
         if not isinstance(pol, Gaussian):
             assert torch.equal(st.certified.cpu(), rst.certified.cpu()), pol
+
+
+def test_pdl_kernels_wait_first():
+    """A kernel launched with programmatic dependent launch may start before
+    its predecessor finishes: every kernel taking the PDL switch must call
+    pdl_start(PDL) (the wait) before anything else."""
+    import inspect
+
+    import triton
+
+    found = 0
+    for name in ("topk", "attention"):
+        mod = sys.modules[f"entmaxkv.kernels.{name}"]
+        for attr in dir(mod):
+            fn = getattr(mod, attr)
+            if attr.endswith("_kernel") and isinstance(fn, triton.runtime.KernelInterface) and "PDL" in fn.arg_names:
+                src = inspect.getsource(fn.fn)
+                body = src.split('"""')[-1] if src.count('"""') >= 2 else src.split("):", 1)[1]
+                first = [ln.strip() for ln in body.splitlines() if ln.strip()][0]
+                assert first == "pdl_start(PDL)", (attr, first)
+                found += 1
+    assert found == 9

@@ -13,6 +13,47 @@ import triton
 import triton.language as tl
 
 
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+# Programmatic dependent launch of the decode step's kernels (sm_90+): a
+# kernel's programs may be scheduled while its predecessor drains, then wait
+# (gdc_wait) for it to finish before touching memory, hiding the launch gap
+# between the step's dependent launches. Off on the interpreter, before
+# Hopper and when Triton lacks it; tests and benchmarks switch it.
+PDL = True
+
+
+def launch_opts(device: torch.device) -> dict:
+    """Launch keywords of a step kernel: its PDL constexpr and, when on,
+    Triton's ``launch_pdl`` option (the two must agree: a PDL launch whose
+    kernel does not wait could read its predecessor's output early)."""
+    on = (PDL and gdc_wait is not None and not interpreting() and device.type == "cuda"
+          and _capability(device)[0] >= 9)
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _cap(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device):
+    return _cap(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First statement of a step kernel: with PDL, wait for the previous
+    kernel (and so, transitively, every earlier one) to complete, then let
+    the next one be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 def next_pow2(x: int) -> int:
     """Smallest power of two >= max(x, 1)."""
     x = max(int(x), 1)

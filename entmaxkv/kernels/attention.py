@@ -49,8 +49,10 @@ from ._common import (
     entmax_prob,
     interpreting,
     kv_strides,
+    launch_opts,
     next_pow2,
     num_sms,
+    pdl_start,
 )
 
 # Iterations of the general-alpha Halley loop and Newton polish (reference: entmax.py).
@@ -256,7 +258,7 @@ def _split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (batch row, selection head, split): scores of a share of the kept tokens.
 
@@ -271,6 +273,7 @@ def _split_kernel(
     *row*, a handful, instead of one per tile) and writes its length to
     cn[r * NSPLIT + split], so later passes read only real candidates.
     """
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     i_b = i_r // S
@@ -586,10 +589,11 @@ def _solve_kernel(
     alpha, beta, CAP,
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
-    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, IN_REGS: tl.constexpr,
+    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, IN_REGS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Exact tau of one query head over the candidate lists of its splits
     (from registers when they fit one tile, else from memory)."""
+    pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, NS_P2)
     m_s = o_s < NSPLIT
@@ -626,7 +630,7 @@ def _vacc_kernel(
     stride_vp, stride_vh, stride_vr,
     HQ, G,
     NSPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr,
+    BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """p = [x - tau]_+^beta over the candidate list of one (query head, split);
     V rows are gathered only where p > 0 (usually one short block per list).
@@ -637,6 +641,7 @@ def _vacc_kernel(
     [D] row, summed per block: few registers, so that many one-warp programs
     fit per SM (large D, where the grid B*HQ x NSPLIT is large and the lists
     short)."""
+    pdl_start(PDL)
     i_h = tl.program_id(0)  # b * HQ + query head
     i_s = tl.program_id(1)
     kvh = (i_h % HQ) // G
@@ -676,8 +681,9 @@ def _combine_kernel(
     pm_ptr, pl_ptr, pacc_ptr, tau_ptr, out_ptr,
     stride_ob, stride_oh, HQ,
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    SOFTMAX: tl.constexpr,
+    SOFTMAX: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, NS_P2)
     m_s = o_s < NSPLIT
@@ -767,6 +773,7 @@ def _run(
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
+    opts = launch_opts(dev)
 
     _split_kernel[(B * S, NSPLIT)](
         qk, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
@@ -782,7 +789,7 @@ def _run(
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
         block_k = max(4, 2048 // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
@@ -793,7 +800,7 @@ def _run(
             NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
             BETA_KIND=bk, HAS_INIT=tau_init is not None,
             HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX, IN_REGS=SOLVE_IN_REGS,
-            num_warps=8,
+            num_warps=8, **opts,
         )
         if not want_out:
             return None, tau.view(B, HQ)
@@ -806,14 +813,14 @@ def _run(
             HQ, G,
             NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
             BLOCK_C=max(16, min(vblock, 8192 // block_d)), BETA_KIND=bk, ACC_ROWS=vrows,
-            num_warps=vwarps,
+            num_warps=vwarps, **opts,
         )
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
     _combine_kernel[(R,)](
         pm, pl, pacc, tau, out,
         out.stride(0), out.stride(1), HQ,
         NSPLIT=NSPLIT, NS_P2=NS_P2, D=D, BLOCK_D=next_pow2(D), SOFTMAX=softmax,
-        num_warps=1 if D <= 64 else 2,
+        num_warps=1 if D <= 64 else 2, **opts,
     )
     return out, tau.view(B, HQ)
 

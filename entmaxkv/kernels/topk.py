@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import as_slopes, cdiv, interpreting, next_pow2, num_sms
+from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
 from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
@@ -199,7 +199,7 @@ def _keys_kernel(
     scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
     M, MK, sinks, window, k_pages,
     H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
+    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
     (one query head per KV head): each page's metadata of HG heads is read as
@@ -209,6 +209,7 @@ def _keys_kernel(
     results/tune_keys.log.) Keys go to
     key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
     MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY."""
+    pdl_start(PDL)
     i_b = tl.program_id(0)
     i_c = tl.program_id(1)
     KCH: tl.constexpr = NSUB * BLOCK_M
@@ -264,13 +265,14 @@ def _keys_kernel(
 
 
 @triton.jit
-def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr):
+def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
     """The largest key of each group of GS pages of a key-table row
     (gmax[row * NKP + group], NKP = MK // GS groups): the pre-filter's group
     maxima. A pass of its own: carrying the maxima through _keys_kernel's
     loop measured 1.25x slower on that pass (146.6 vs 117.2 us at 1 x 2M),
     and holding a whole row per program (to find lb there too) 12.9 us where
     this pass and _lb_kernel take 3.4 + 4.8 us (8 x 128k)."""
+    pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     o_g = tl.program_id(1) * GB + tl.arange(0, GB)
     m_g = o_g < NKP
@@ -281,7 +283,7 @@ def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr)
 
 @triton.jit
 def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
-               S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr):
+               S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr, PDL: tl.constexpr):
     """lb of one row from its NKP group maxima: their k_row-th largest. They
     are keys of distinct pages, so >= k_row pages have key >= lb, the row's
     k_row-th key is >= lb, and no page below lb is ever kept (with fewer than
@@ -289,6 +291,7 @@ def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
     here instead of in each of the row's chunk programs, where the bisection
     over the maxima was most of _chunk_kernel's work (22.2 -> 11.0 us at
     1 x 2M)."""
+    pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
@@ -309,8 +312,9 @@ def _chunk_kernel(
     PREFILTER: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr, KEYS_READY: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_c = tl.program_id(1)
     i_b = i_r // S
@@ -432,11 +436,12 @@ def _merge_kernel(
     ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr, lb_ptr,
     W, sinks, window, k_pages, rank_lim,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_W: tl.constexpr, S: tl.constexpr,
-    P: tl.constexpr, ONE_TILE: tl.constexpr, PREFILTER: tl.constexpr, RANK_N: tl.constexpr,
+    P: tl.constexpr, ONE_TILE: tl.constexpr, PREFILTER: tl.constexpr, RANK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """Keep the row's k_row best of its chunks' candidates: by rank when there
     are at most rank_lim (<= RANK_N; -1: never), otherwise by bisection on the
     key bits, in registers (ONE_TILE) or in blocks from memory."""
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_b = i_r // S
     seq = tl.load(ids_ptr + i_b).to(tl.int64)
@@ -521,13 +526,14 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
     M = cache.block_table.shape[1]
     smp, smh = meta_strides(cache)
     kp = keys_plan(B, MK, H, D, num_sms(q.device))
+    opts = launch_opts(q.device)
     _keys_kernel[(B, cdiv(MK, kp["KCH"]))](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if ub is not None else keys,
         float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
         M, MK, int(sinks), int(window), k_pages,
         H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
         BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, num_warps=kp["WARPS"],
+        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, num_warps=kp["WARPS"], **opts,
     )
     return kp
 
@@ -593,6 +599,7 @@ def select_topk(
         ck = cp = cn = keys
     write_ub = ub is not None
     lbs = torch.empty(B * S, dtype=torch.int32, device=dev)
+    opts = launch_opts(dev)
     prefilter = all_heads and PREFILTER
     if all_heads:
         launch_keys(q, sl, ids, cache, keys, ub, NCH * CH, scale, sinks, window, k_pages,
@@ -604,9 +611,9 @@ def select_topk(
         NKP = MK // gs
         gb = max(1, 4096 // gs)
         gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
-        _gmax_kernel[(B * S, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4)
+        _gmax_kernel[(B * S, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4, **opts)
         _lb_kernel[(B * S,)](gmax, lbs, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
-                             S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS)
+                             S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS, **opts)
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
         keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
@@ -616,7 +623,7 @@ def select_topk(
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
         HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=SELECT_WARPS if all_heads else cfg["WARPS"], num_stages=cfg["STAGES"],
+        num_warps=SELECT_WARPS if all_heads else cfg["WARPS"], num_stages=cfg["STAGES"], **opts,
     )
     if NCH > 1:
         nch_p2 = next_pow2(NCH)
@@ -627,6 +634,7 @@ def select_topk(
             ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
             W, int(sinks), int(window), k_pages, rank_n if rank_n <= RANK_MAX else -1,
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
-            PREFILTER=prefilter, RANK_N=min(rank_n, max(16, RANK_MAX)), num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8,
+            PREFILTER=prefilter, RANK_N=min(rank_n, max(16, RANK_MAX)),
+            num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8, **opts,
         )
     return Selection(pages, counts)
