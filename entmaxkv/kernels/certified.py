@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..policies import TopK
 from ..types import Selection
-from ._common import next_pow2
+from ._common import launch_opts, next_pow2, pdl_start
 from .attention import selection_tau
 from .scoring import bounds_with_slack, prep_query
 from .topk import select_topk
@@ -40,7 +40,8 @@ from .topk import select_topk
 
 @triton.jit
 def _mark_kernel(pages_ptr, counts_ptr, mask_ptr, W, M,
-                 S_SRC: tl.constexpr, S_DST: tl.constexpr, BLOCK_W: tl.constexpr):
+                 S_SRC: tl.constexpr, S_DST: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_w = tl.program_id(1)
     i_b = i_r // S_SRC
@@ -63,7 +64,8 @@ def _augment_kernel(ubs_ptr, mask_ptr, tau_ptr, ids_ptr, lens_ptr, pages_ptr, co
                     am1, M, HQ, sinks, window,
                     S: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-                    ADD: tl.constexpr, FORCED: tl.constexpr):
+                    ADD: tl.constexpr, FORCED: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_m = tl.program_id(1)
     i_b = i_r // S
@@ -96,7 +98,8 @@ def _augment_kernel(ubs_ptr, mask_ptr, tau_ptr, ids_ptr, lens_ptr, pages_ptr, co
 def _certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_ptr,
                     am1, M, HQ,
                     S: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SOFTMAX: tl.constexpr, HAS_SLACK: tl.constexpr):
+                    SOFTMAX: tl.constexpr, HAS_SLACK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_m = tl.program_id(1)
     i_b = i_r // HQ
@@ -132,8 +135,9 @@ def page_mask(sel: Selection, B: int, S: int, M: int) -> torch.Tensor:
     if W == 0:
         return mask
     block_w = min(1024, next_pow2(W))
+    opts = launch_opts(mask.device)
     _mark_kernel[(B * S_src, triton.cdiv(W, block_w))](
-        pages, counts, mask, W, M, S_SRC=S_src, S_DST=S, BLOCK_W=block_w, num_warps=4,
+        pages, counts, mask, W, M, S_SRC=S_src, S_DST=S, BLOCK_W=block_w, num_warps=4, **opts,
     )
     return mask
 
@@ -143,12 +147,13 @@ def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, 
     pages = torch.empty(B, S, M, dtype=torch.int32, device=mask.device)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=mask.device)  # atomic list lengths
     block_m = 256 if NG <= 4 else 64
+    opts = launch_opts(mask.device)
     _augment_kernel[(B * S, triton.cdiv(M, block_m))](
         ubs if ubs is not None else mask, mask, tau if tau is not None else mask, ids, cache.seq_lens,
         pages, counts,
         float(alpha - 1.0), M, HQ, int(sinks), int(window),
         S=S, NG=NG, P=cache.page_size, BLOCK_M=block_m, BLOCK_G=next_pow2(NG),
-        ADD=add, FORCED=forced, num_warps=4,
+        ADD=add, FORCED=forced, num_warps=4, **opts,
     )
     return Selection(pages, counts)
 
@@ -227,10 +232,11 @@ def certify(
     mask = page_mask(sel, B, S, M)
     viol = torch.zeros(B * HQ, dtype=torch.int32, device=dev)
     block_m = 512
+    opts = launch_opts(dev)
     _certify_kernel[(B * HQ, triton.cdiv(M, block_m))](
         ub32, sl32, mask, tau32, lens, viol,
         float(alpha - 1.0), M, HQ,
         S=S, NG=HQ // S, P=page_size, BLOCK_M=block_m,
-        SOFTMAX=alpha == 1.0, HAS_SLACK=slack is not None, num_warps=4,
+        SOFTMAX=alpha == 1.0, HAS_SLACK=slack is not None, num_warps=4, **opts,
     )
     return (viol == 0).view(B, HQ)

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import as_slopes, cdiv, interpreting, next_pow2, num_sms
+from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
 from .scoring import kv_row, meta_strides, page_gauss, page_rows, prep_query, score_plan
 
 # Halley iterations of the page-mixture solve (one launch each).
@@ -283,8 +283,9 @@ def _stats_kernel(
     HQ, G, M,
     H: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     i_c = tl.program_id(1)
     i_b, kvh, h0, seq, n, b_q, b_sl = kv_row(q_ptr, slopes_ptr, ids_ptr, lens_ptr, tl.program_id(0),
                                              stride_qb, stride_qh, G, H, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
@@ -379,8 +380,9 @@ def _iter_kernel(
     it, R, M, am1, beta,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
     CH: tl.constexpr, BLOCK: tl.constexpr,
-    HQ: tl.constexpr, P: tl.constexpr, BETA_KIND: tl.constexpr, ITERS: tl.constexpr,
+    HQ: tl.constexpr, P: tl.constexpr, BETA_KIND: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     tau, lo, hi = _iterate(st_ptr, part_ptr, state_ptr, i_r, it, R, am1, beta, NCH, NCH_P2, NCS, NCS_P2,
@@ -430,8 +432,9 @@ def _select_kernel(
     NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
     CH: tl.constexpr, BLOCK: tl.constexpr,
     HQ: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, BLOCK_G: tl.constexpr, P: tl.constexpr,
-    BETA_KIND: tl.constexpr, ITERS: tl.constexpr, POOLED: tl.constexpr,
+    BETA_KIND: tl.constexpr, ITERS: tl.constexpr, POOLED: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_c = tl.program_id(1)
     i_b = i_r // S
@@ -526,6 +529,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
     sg = torch.empty_like(mu)
     st = torch.empty(R, NCS, 5, dtype=torch.float32, device=dev)
+    opts = launch_opts(dev)
     _stats_kernel[(B * H, NCS)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
         mu, sg, st,
@@ -534,7 +538,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         H=H, NCH=NCS, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
         NSUB=cfg["NSUBS"], HAS_ALIBI=slopes is not None,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=4,
+        num_warps=4, **opts,
     )
     nit = 0 if policy.pooled else NIT
     part = torch.empty(max(nit, 1), R, NCH, 3, dtype=torch.float64, device=dev)
@@ -545,7 +549,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
             ids, cache.seq_lens, mu, sg, st, part, state,
             it, R, M, am1, beta,
             NCH=NCH, NCH_P2=nch_p2, NCS=NCS, NCS_P2=ncs_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
-            BETA_KIND=bk, ITERS=SCALAR_ITERS, num_warps=4,
+            BETA_KIND=bk, ITERS=SCALAR_ITERS, num_warps=4, **opts,
         )
     pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
@@ -556,6 +560,6 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         nit, R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
         NCH=NCH, NCH_P2=nch_p2, NCS=NCS, NCS_P2=ncs_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
         HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P,
-        BETA_KIND=bk, ITERS=SCALAR_ITERS, POOLED=policy.pooled, num_warps=4,
+        BETA_KIND=bk, ITERS=SCALAR_ITERS, POOLED=policy.pooled, num_warps=4, **opts,
     )
     return Selection(pages, counts, tau_hat)

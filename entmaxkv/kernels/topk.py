@@ -73,10 +73,6 @@ KEYS_TUNE: dict = {}
 LB_WARPS = 1
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
-# Largest candidate total the merge ranks by pairwise comparison (an
-# [n, n] tile, no bisection) when the width allows it (2 W <= RANK_MAX);
-# 0: always bisect.
-RANK_MAX = 128
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -409,37 +405,13 @@ def _emit(b_key, b_page, m_w, T, k_row, n_gt, n_eq, n_out, p_out, R: tl.constexp
 
 
 @triton.jit
-def _rank_merge(ck_ptr, cp_ptr, n_c, p_row, total, k_row, p_out, R: tl.constexpr, NCH_P2: tl.constexpr):
-    """Keep the k_row best of a row's ``total`` <= R candidates (n_c [NCH_P2]
-    per chunk at p_row) by rank, without bisection: candidate i of the
-    concatenated lists (chunk order) comes from the chunk whose span holds i;
-    its rank counts the keys above it and the equal keys before it, so ties
-    go in slot order as in _emit. Pages are written in rank order."""
-    o_i = tl.arange(0, R)
-    ends = tl.cumsum(n_c, axis=0)  # [NCH_P2]: end of each chunk's span
-    before = ends[None, :] <= o_i[:, None]  # [R, NCH_P2]: chunk spans ending at or before i
-    c_i = tl.sum(before.to(tl.int32), axis=1)  # the chunk holding i (empty chunks skipped)
-    start = tl.max(tl.where(before, ends[None, :], 0), axis=1)  # its span's first index
-    row_c = tl.sum(tl.where(tl.arange(0, NCH_P2)[None, :] == c_i[:, None], p_row[None, :], 0), axis=1)
-    m_i = o_i < total
-    a_i = row_c + (o_i - start)
-    b_key = tl.load(ck_ptr + a_i, mask=m_i, other=INT32_MIN)
-    b_page = tl.load(cp_ptr + a_i, mask=m_i, other=0)
-    above = (b_key[None, :] > b_key[:, None]) | ((b_key[None, :] == b_key[:, None]) & (o_i[None, :] < o_i[:, None]))
-    rank = tl.sum((above & m_i[None, :]).to(tl.int32), axis=1)
-    tl.store(p_out + rank, b_page, mask=m_i & (rank < k_row))
-    return tl.minimum(total, k_row)
-
-
-@triton.jit
 def _merge_kernel(
     ids_ptr, lens_ptr, ck_ptr, cp_ptr, cn_ptr, pages_ptr, counts_ptr, lb_ptr,
-    W, sinks, window, k_pages, rank_lim,
+    W, sinks, window, k_pages,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_W: tl.constexpr, S: tl.constexpr,
-    P: tl.constexpr, ONE_TILE: tl.constexpr, PREFILTER: tl.constexpr, RANK_N: tl.constexpr, PDL: tl.constexpr,
+    P: tl.constexpr, ONE_TILE: tl.constexpr, PREFILTER: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Keep the row's k_row best of its chunks' candidates: by rank when there
-    are at most rank_lim (<= RANK_N; -1: never), otherwise by bisection on the
+    """Keep the row's k_row best of its chunks' candidates by bisection on the
     key bits, in registers (ONE_TILE) or in blocks from memory."""
     pdl_start(PDL)
     i_r = tl.program_id(0)
@@ -453,12 +425,8 @@ def _merge_kernel(
     p_out = pages_ptr + i_r.to(tl.int64) * W
     N: tl.constexpr = NCH_P2 * BLOCK_W
     zero = tl.zeros([], tl.int32)
-    total = tl.sum(n_c, axis=0)
 
-    if total <= rank_lim:
-        # few candidates (the pre-filter's usual case): rank them directly
-        n_out = _rank_merge(ck_ptr, cp_ptr, n_c, p_row, total, k_row, p_out, RANK_N, NCH_P2)
-    elif ONE_TILE:
+    if ONE_TILE:
         # every candidate of the row fits in registers: load once, bisect there
         o_w = tl.arange(0, BLOCK_W)
         m_w = o_w[None, :] < n_c[:, None]
@@ -629,12 +597,10 @@ def select_topk(
         nch_p2 = next_pow2(NCH)
         one_tile = nch_p2 * next_pow2(W) <= MERGE_REGS
         block_w = next_pow2(W) if one_tile else max(1, min(next_pow2(W), 8192 // nch_p2))
-        rank_n = max(16, next_pow2(2 * W))
         _merge_kernel[(B * S,)](
             ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
-            W, int(sinks), int(window), k_pages, rank_n if rank_n <= RANK_MAX else -1,
+            W, int(sinks), int(window), k_pages,
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
-            PREFILTER=prefilter, RANK_N=min(rank_n, max(16, RANK_MAX)),
-            num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8, **opts,
+            PREFILTER=prefilter, num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8, **opts,
         )
     return Selection(pages, counts)
