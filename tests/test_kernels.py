@@ -125,12 +125,15 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
 
 @pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 3.0])
 @pytest.mark.parametrize("per_q", [False, True])
-@pytest.mark.parametrize("solve", ["regs", "memory"])
-def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q, solve, monkeypatch):
+@pytest.mark.parametrize("variant", ["default", "memory-solve-no-prefetch"])
+def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q, variant, monkeypatch):
     """Pages in any order; entries past counts are ignored whatever they hold.
     The tau solve iterates over candidates held in registers or (switched
-    off) reloaded from memory at every step."""
-    monkeypatch.setattr(sys.modules["entmaxkv.kernels.attention"], "SOLVE_IN_REGS", solve == "regs")
+    off) reloaded from memory at every step; the split kernel loads the next
+    tile's page ids ahead or (switched off) at the top of each tile."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "SOLVE_IN_REGS", variant == "default")
+    monkeypatch.setattr(A, "PREFETCH_PAGES", variant == "default")
     H, G, P = 2, 3, 4
     cache, ids, q, sl = setup([90, 41, 7], H, G, 16, P, torch.float32, seed=3, slopes=True)
     S = H * G if per_q else H

@@ -81,6 +81,9 @@ VACC_LARGE_D = (32, 1, False)
 # heuristics
 # ---------------------------------------------------------------------------
 
+# _split_kernel loads the next tile's page ids (page list, block table) while
+# the current tile's K is in flight, so a tile waits for one load, not three.
+PREFETCH_PAGES = True
 # Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
 TUNE: dict = {}
 # Programs per multiprocessor the split count aims for (may be fractional:
@@ -243,6 +246,25 @@ def _compact(cx_ptr, ci_ptr, o_c, b_nc, R: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _tile_pages(t0, o_tt, t_hi, n, p_pages, p_bt, P: tl.constexpr, DENSE: tl.constexpr):
+    """Token slots t0 + o_tt of a row (below t_hi) -> logical page (the page
+    list, or the slot's page when DENSE) -> physical page through the block
+    table. Returns (row in page, position, valid token, physical page int64)."""
+    o_t = t0 + o_tt
+    m_t = o_t < t_hi
+    i_slot = o_t // P
+    i_row = o_t % P
+    if DENSE:
+        logical = i_slot
+    else:
+        logical = tl.load(p_pages + i_slot, mask=m_t, other=0)
+    pos = logical * P + i_row
+    m_tok = m_t & (pos < n)
+    phys = tl.load(p_bt + logical, mask=m_tok, other=0).to(tl.int64)
+    return i_row, pos, m_tok, phys
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ids_ptr, pages_ptr, counts_ptr, slopes_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
@@ -258,7 +280,8 @@ def _split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (batch row, selection head, split): scores of a share of the kept tokens.
 
@@ -329,22 +352,15 @@ def _split_kernel(
             b_nc = tl.zeros([BLOCK_T], tl.int32)
             o_c = ((i_b * HQ + h0).to(tl.int64) * NSPLIT + i_s) * CAP
 
+    i_row, pos, m_tok, phys = _tile_pages(t_lo, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
     for t0 in range(t_lo, t_hi, BLOCK_T):
-        # -- token slots -> logical page -> physical page (through the block table)
-        o_t = t0 + o_tt
-        m_t = o_t < t_hi
-        i_slot = o_t // P
-        i_row = o_t % P
-        if DENSE:
-            logical = i_slot
-        else:
-            logical = tl.load(p_pages + i_slot, mask=m_t, other=0)
-        pos = logical * P + i_row
-        m_tok = m_t & (pos < n)
-        phys = tl.load(p_bt + logical, mask=m_tok, other=0).to(tl.int64)
+        if not PREFETCH:
+            i_row, pos, m_tok, phys = _tile_pages(t0, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
         o_k = phys * stride_kp + kvh * stride_kh + i_row * stride_kr
         b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
         rel = (pos - pos_q).to(tl.float32)
+        if PREFETCH:  # the next tile's pages, while this tile's K is in flight
+            i_row_nx, pos_nx, m_tok_nx, phys_nx = _tile_pages(t0 + BLOCK_T, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
 
         if USE_DOT:
             # ---- NG heads share the tile: [BLOCK_G, BLOCK_T] scores by tl.dot
@@ -397,6 +413,8 @@ def _split_kernel(
                 tl.store(cx_ptr + p_c, b_x, mask=m_c)
                 tl.store(ci_ptr + p_c, (phys * P + i_row).to(tl.int32), mask=m_c)
                 b_nc += m_c.to(tl.int32)
+        if PREFETCH:
+            i_row, pos, m_tok, phys = i_row_nx, pos_nx, m_tok_nx, phys_nx
 
     o_r = (i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s
     if SOFTMAX:
@@ -788,7 +806,7 @@ def _run(
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton,
-        USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec,
+        USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=PREFETCH_PAGES,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
