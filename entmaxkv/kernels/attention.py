@@ -83,6 +83,13 @@ VACC_LARGE_D = (32, 1, False)
 
 # _split_kernel loads the next tile's page ids (page list, block table) while
 # the current tile's K is in flight, so a tile waits for one load, not three.
+# Measured on the H200 (results/tune_prefetch.log): through a page list it
+# pays on every path (paper 8 x 128k certified 1045 -> 755 us, Gaussian
+# 403 -> 328 us; GQA 4 x 32k certified 222 -> 195 us), and for the dense
+# one-head softmax (790 -> 765 us); it costs the dense entmax passes (paper
+# 8 x 128k 693 -> 977 us, held registers) and the dense tl.dot softmax (GQA
+# 4 x 32k 162 -> 184 us), which keep the loads at the top of the tile.
+# False: never.
 PREFETCH_PAGES = True
 # Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
 TUNE: dict = {}
@@ -150,8 +157,9 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         want = cdiv(max(1, int(factor * num_sms(device))), rows)
     tokens = W * P
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
+    prefetch = PREFETCH_PAGES and (not dense or (softmax and not use_dot))
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t,
-                NSPLIT=nsplit, num_warps=warps, num_stages=stages)
+                NSPLIT=nsplit, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------
@@ -806,7 +814,7 @@ def _run(
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton,
-        USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=PREFETCH_PAGES,
+        USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
