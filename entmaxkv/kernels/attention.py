@@ -116,8 +116,9 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     """Block sizes and split count from shapes only (graph-capturable)."""
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
-    # (256 x 8 over a selection's page list), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages,
-    # entmax (K only) 128 x 4 warps x 4 stages at 2 programs per SM. Deep pipelines of small tiles
+    # (128 x 4 over a selection's page list), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps
+    # x 6 stages, entmax (K only) 128 x 4 warps x 4 stages (3 over a page list) at 2 programs per SM.
+    # Deep pipelines of small tiles
     # win there; the stage count is capped so the buffers stay within
     # ~160 KB of shared memory for any head dim and dtype.
     use_dot = NG >= 2
@@ -127,8 +128,8 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         block_d = max(16, block_d)
         if softmax:
             block_t, depth = max(16, min(32, 4096 // block_d)), 6
-        else:
-            block_t, depth = max(16, min(128, 16384 // block_d)), 4
+        else:  # (3 stages through a page list: GQA 4 x 32k, every page, 0.145 -> 0.138 ms)
+            block_t, depth = max(16, min(128, 16384 // block_d)), 4 if dense else 3
         warps = 4
         stage_bytes = block_t * block_d * itemsize * (2 if softmax else 1)
         stages = max(2, min(depth, (160 * 1024) // stage_bytes))
@@ -138,8 +139,9 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
             block_t, warps = max(16, min(256, 8192 // block_d)), 4
         elif dense:
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
-        else:  # through a page list: 256 x 8 measured 1.3x faster than 512 x 8 there
-            block_t, warps = max(16, min(256, 8192 // block_d)), 8
+        else:  # through a page list (with the page-id prefetch): 128 x 4 warps, 0.665 -> 0.495 ms
+            # at 8 x 128k over every page in shuffled order (results/tune_list.log)
+            block_t, warps = max(16, min(128, 4096 // block_d)), 4
         stages = 3
     rows = B * S
     factor = SPLIT_FACTOR
