@@ -116,7 +116,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     """Block sizes and split count from shapes only (graph-capturable)."""
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
-    # (128 x 4 over a selection's page list), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps
+    # (over a selection's page list too), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps
     # x 6 stages, entmax (K only) 128 x 4 warps x 4 stages (3 over a page list) at 2 programs per SM.
     # Deep pipelines of small tiles
     # win there; the stage count is capped so the buffers stay within
@@ -137,11 +137,9 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         block_g = 1
         if softmax:
             block_t, warps = max(16, min(256, 8192 // block_d)), 4
-        elif dense:
+        else:  # dense or through a page list (with the page-id prefetch: results/tune_list_ab.log,
+            # paper 8 x 128k certified / Gaussian 757 / 328 us with 256 x 8, 615 / 304 us with 512 x 8)
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
-        else:  # through a page list (with the page-id prefetch): 128 x 4 warps, 0.665 -> 0.495 ms
-            # at 8 x 128k over every page in shuffled order (results/tune_list.log)
-            block_t, warps = max(16, min(128, 4096 // block_d)), 4
         stages = 3
     rows = B * S
     factor = SPLIT_FACTOR
