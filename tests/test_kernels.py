@@ -412,7 +412,8 @@ def test_pdl_kernels_wait_first():
         mod = sys.modules[f"entmaxkv.kernels.{name}"]
         for attr in dir(mod):
             fn = getattr(mod, attr)
-            if attr.endswith("_kernel") and isinstance(fn, triton.runtime.KernelInterface) and "PDL" in fn.arg_names:
+            is_kernel = attr.endswith("_kernel") and isinstance(fn, triton.runtime.KernelInterface)
+            if is_kernel and "PDL" in fn.arg_names:
                 src = inspect.getsource(fn.fn)
                 body = src.split('"""')[-1] if src.count('"""') >= 2 else src.split("):", 1)[1]
                 first = [ln.strip() for ln in body.splitlines() if ln.strip()][0]

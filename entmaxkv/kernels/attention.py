@@ -368,7 +368,8 @@ def _split_kernel(
         b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
         rel = (pos - pos_q).to(tl.float32)
         if PREFETCH:  # the next tile's pages, while this tile's K is in flight
-            i_row_nx, pos_nx, m_tok_nx, phys_nx = _tile_pages(t0 + BLOCK_T, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
+            i_row_nx, pos_nx, m_tok_nx, phys_nx = _tile_pages(t0 + BLOCK_T, o_tt, t_hi, n, p_pages, p_bt,
+                                                              P, DENSE)
 
         if USE_DOT:
             # ---- NG heads share the tile: [BLOCK_G, BLOCK_T] scores by tl.dot
@@ -590,7 +591,8 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
         else:
             tau = lo
         for _ in range(HALLEY):
-            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2, IN_REGS)
+            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K,
+                                        BETA_KIND, 2, IN_REGS)
             above = f > 0
             lo = tl.where(above, tau, lo)
             hi = tl.where(above, hi, tau)
@@ -603,7 +605,8 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
             ok = (cand >= lo) & (cand <= hi) & (d1 != 0)
             tau = tl.where(ok, cand, 0.5 * (lo + hi))
         for _ in range(POLISH):
-            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, 2, IN_REGS)
+            f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K,
+                                        BETA_KIND, 2, IN_REGS)
             step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
             tau = tl.minimum(tl.maximum(tau + step, lo), hi)
     return tl.where(empty, float("inf"), tau)
@@ -615,7 +618,8 @@ def _solve_kernel(
     alpha, beta, CAP,
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
-    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, IN_REGS: tl.constexpr, PDL: tl.constexpr,
+    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, IN_REGS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Exact tau of one query head over the candidate lists of its splits
     (from registers when they fit one tile, else from memory)."""

@@ -283,7 +283,8 @@ def _stats_kernel(
     HQ, G, M,
     H: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     i_c = tl.program_id(1)
