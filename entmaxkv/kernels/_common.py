@@ -40,8 +40,12 @@ def _cap(index: int):
     return torch.cuda.get_device_capability(index)
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _capability(device: torch.device):
-    return _cap(device.index if device.index is not None else torch.cuda.current_device())
+    return _cap(_device_index(device))
 
 
 @triton.jit
@@ -77,7 +81,7 @@ def _sm_count(index: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of ``device`` (a small fixed number on the CPU interpreter)."""
     if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return _sm_count(_device_index(device))
     return 4
 
 

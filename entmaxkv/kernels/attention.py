@@ -360,7 +360,8 @@ def _split_kernel(
             b_nc = tl.zeros([BLOCK_T], tl.int32)
             o_c = ((i_b * HQ + h0).to(tl.int64) * NSPLIT + i_s) * CAP
 
-    i_row, pos, m_tok, phys = _tile_pages(t_lo, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
+    if PREFETCH:  # the first tile's pages; later tiles' are loaded one tile ahead
+        i_row, pos, m_tok, phys = _tile_pages(t_lo, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
     for t0 in range(t_lo, t_hi, BLOCK_T):
         if not PREFETCH:
             i_row, pos, m_tok, phys = _tile_pages(t0, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
@@ -499,8 +500,9 @@ def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
         a0 += t0
         a1 += t1
         a2 += t2
-        a3 = tl.minimum(a3, t3)
-        a4 = tl.maximum(a4, t4)
+        if ORDER == 0:  # (the extrema are unused for ORDER 2)
+            a3 = tl.minimum(a3, t3)
+            a4 = tl.maximum(a4, t4)
     r0 = tl.sum(tl.sum(a0, axis=1), axis=0)
     r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
     r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
@@ -523,8 +525,12 @@ def _sums(p_x, n_s, max_n, b_xr, tau, mshift, beta, CAP,
         r0 = tl.sum(t0, axis=0)
         r1 = tl.sum(t1, axis=0)
         r2 = tl.sum(t2, axis=0)
-        r3 = tl.min(t3, axis=0)
-        r4 = tl.max(t4, axis=0)
+        if ORDER == 0:
+            r3 = tl.min(t3, axis=0)
+            r4 = tl.max(t4, axis=0)
+        else:  # unused
+            r3 = r2
+            r4 = r2
     else:
         r0, r1, r2, r3, r4 = _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP, NS_P2, BLOCK_K,
                                         BETA_KIND, ORDER)
