@@ -1,9 +1,14 @@
-"""Kernel top-k selections at benchmark sizes against the reference policy (GPU; a script, not a test).
+"""Kernel selections at benchmark sizes against the reference policy (GPU; a script, not a test).
 
 ``gpu_check.py`` compares every stage with the reference on moderate shapes
 and ``bench_decode.py --check`` compares outputs over the selected pages; this
 checks that the Triton top-k keeps exactly the pages the PyTorch policy keeps
-on the benchmark's own caches (including the chunk pre-filter's long rows).
+on the benchmark's own caches (including the chunk pre-filter's long rows),
+and that the Triton Gaussian tau_hat matches a float64 solve over float64
+page statistics (relative error), also when its iteration launches stop
+early (against the same kernels with CONV_TOL = 0 and 8 launches), with the
+number of pages its selection and the reference's differ by (borderline
+pages at a tau_hat rounded differently).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/check_selection.py --configs paper_128k,paper_b1_2m
 """
@@ -16,9 +21,46 @@ import sys
 import torch
 
 from bench_decode import CONFIGS, build
-from entmaxkv import TopK
+from entmaxkv import Gaussian, TopK
 from entmaxkv import kernels as K
 from entmaxkv import policies as RP
+from entmaxkv import scoring as RS
+from entmaxkv.gaussian import solve_tau_hat
+
+# relative tau_hat error that fails the Gaussian check (float32 tau_hat over
+# float32 page statistics: a few 1e-7)
+TAU_TOL = 2e-6
+
+
+def page_sets(sel):
+    B, S, _ = sel.pages.shape
+    p, c = sel.pages.cpu(), sel.counts.cpu()
+    return [[set(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
+
+
+def check_gaussian(cname, q, cache, ids, scale, alpha=1.5) -> int:
+    """Failures (tau_hat beyond TAU_TOL) of the Gaussian selection on one config."""
+    from entmaxkv.kernels import gaussian as gk
+
+    pol = Gaussian()
+    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
+    conv_tol, nit = gk.CONV_TOL, gk.NIT
+    gk.CONV_TOL, gk.NIT = 0.0, 8
+    try:
+        full = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
+    finally:
+        gk.CONV_TOL, gk.NIT = conv_tol, nit
+    mu, sg, n = RS.gaussian_stats(q.double(), cache, ids, scale=scale)
+    oracle = solve_tau_hat(mu, sg, n[:, None, :].expand_as(mu), alpha, iters=120)
+    del mu, sg
+    err = ((sel.tau_hat.double() - oracle).abs() / oracle.abs().clamp_min(1.0)).max().item()
+    err_full = ((full.tau_hat.double() - oracle).abs() / oracle.abs().clamp_min(1.0)).max().item()
+    ref = RP.select(pol, q, cache, ids, alpha=alpha, scale=scale)
+    diff = sum(len(a ^ b) for ra, rb in zip(page_sets(sel), page_sets(ref)) for a, b in zip(ra, rb))
+    kept = int(sel.counts.sum())
+    print(f"{cname} {pol}: tau_hat rel err {err:.1e} (never stopping early: {err_full:.1e}); "
+          f"{kept} pages kept, {diff} differ from the reference's", flush=True)
+    return int(err > TAU_TOL)
 
 
 def main(argv=None) -> int:
@@ -43,6 +85,7 @@ def main(argv=None) -> int:
                     bad += got != want
             bad_total += bad
             print(f"{cname} {pol}: {bad} of {B * S} rows differ", flush=True)
+        bad_total += check_gaussian(cname, q, cache, ids, scale)
         del cache
         torch.cuda.empty_cache()
     print("selection check:", "passed" if bad_total == 0 else f"FAILED ({bad_total})")

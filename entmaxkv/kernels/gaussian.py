@@ -50,11 +50,22 @@ import triton.language as tl
 from ..types import Selection
 from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
 from .scoring import kv_row, meta_strides, page_gauss, page_rows, prep_query, score_plan
+from .topk import half_offset, keys_plan
 
-# Halley iterations of the page-mixture solve (one launch each).
+# Halley iterations of the page-mixture solve (one launch each; a launch
+# after convergence only forwards the state).
 NIT = 4
-# Iterations of the scalar solves (pooled Gaussian start, pooled policy).
+# Iterations of the scalar solves: the pooled policy (float64) and the
+# float32 pooled start of the mixture solve.
 SCALAR_ITERS = 24
+START_ITERS = 8
+# A Halley step this small (relative) ends the mixture solve (0: never).
+CONV_TOL = 1e-5
+# The all-heads stats pass when there is one query head per KV head (tests
+# switch it off to cover the per-head pass on MHA shapes too).
+ALL_HEADS = True
+# keys_plan overrides for the all-heads stats pass (BLOCK_M, KCH, HG, WARPS), for sweeps.
+STATS_TUNE: dict = {}
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -219,6 +230,7 @@ def _halley_update(sm, d1, d2, tau, lo, hi):
     like a Gaussian tail), so from the left end this converges in 3-4 steps
     where Halley on F itself needs ~10. The bracket keeps the sign of F; a
     step that leaves it (or is not finite) is replaced by bisection.
+    Returns (next iterate, lo, hi, whether it is the Halley step).
     """
     above = sm > 1.0
     lo = tl.where(above, tau, lo)
@@ -234,23 +246,25 @@ def _halley_update(sm, d1, d2, tau, lo, hi):
     L = tl.minimum(tl.maximum(L, -1.0), 1.0)
     cand = tau - (g / g1s) / (1.0 - 0.5 * L)
     ok = (cand >= lo) & (cand <= hi) & (g1 != 0) & pos
-    return tl.where(ok, cand, 0.5 * (lo + hi)), lo, hi
+    return tl.where(ok, cand, 0.5 * (lo + hi)), lo, hi, ok
 
 
 @triton.jit
-def _pooled_tau(sw, mn, sq, am1, beta, ITERS: tl.constexpr, BETA_KIND: tl.constexpr):
+def _pooled_tau(sw, mn, sq, am1, beta, ITERS: tl.constexpr, BETA_KIND: tl.constexpr, F64: tl.constexpr):
     """tau solving n_g E[((alpha-1) S - tau)_+^beta] = 1 for the pooled Gaussian
     S ~ N(mu_g, sigma_g^2): token-weighted moments of the page mixture
-    (n_g = sw tokens, mu_g = mn, sigma_g^2 = sq / sw)."""
-    n_g = tl.maximum(sw, 1.0).to(tl.float64)
-    mu_g = mn.to(tl.float64)
-    sig_g = tl.sqrt(tl.maximum(sq.to(tl.float64) / n_g, 0.0))
+    (n_g = sw tokens, mu_g = mn, sigma_g^2 = sq / sw); float64 with F64,
+    else float32 (the mixture solve's start)."""
+    dt: tl.constexpr = tl.float64 if F64 else tl.float32
+    n_g = tl.maximum(sw.to(dt), 1.0)
+    mu_g = mn.to(dt)
+    sig_g = tl.sqrt(tl.maximum(sq.to(dt) / n_g, 0.0))
     lo = am1 * mu_g - 1.0
     hi = tl.maximum(am1 * (mu_g + 12.0 * sig_g), lo + 1.0)
     tau = lo
     for _ in range(ITERS):
-        e_b, e_b1, e_b2 = _gauss_terms(am1 * mu_g - tau, am1 * sig_g, BETA_KIND, True)
-        tau, lo, hi = _halley_update(n_g * e_b, -beta * n_g * e_b1, n_g * e_b2, tau, lo, hi)
+        e_b, e_b1, e_b2 = _gauss_terms(am1 * mu_g - tau, am1 * sig_g, BETA_KIND, F64)
+        tau, lo, hi, _h = _halley_update(n_g * e_b, -beta * n_g * e_b1, n_g * e_b2, tau, lo, hi)
     return tau
 
 
@@ -332,108 +346,264 @@ def _stats_kernel(
 
 
 @triton.jit
-def _reduce_stats(st_ptr, r, NCH: tl.constexpr, NCH_P2: tl.constexpr):
-    """Merge the chunks' (count, mean, M2): pooled (n_g, mu_g, sigma_g^2 n_g) and the bracket maxima."""
-    o_c = tl.arange(0, NCH_P2)
-    m_c = o_c < NCH
-    p = st_ptr + (r * NCH + o_c) * 5
-    c_w = tl.load(p + 0, mask=m_c, other=0.0)
-    c_mn = tl.load(p + 1, mask=m_c, other=0.0)
-    c_q = tl.load(p + 2, mask=m_c, other=0.0)
-    sw = tl.sum(c_w, axis=0)
-    mn = tl.sum(c_w * c_mn, axis=0) / tl.maximum(sw, 1.0)
-    d = c_mn - mn
-    sq = tl.sum(c_q + c_w * d * d, axis=0)
-    mlo = tl.max(tl.load(p + 3, mask=m_c, other=float("-inf")), axis=0)
-    mhi = tl.max(tl.load(p + 4, mask=m_c, other=float("-inf")), axis=0)
-    return sw, mn, sq, mlo, mhi
+def _stats_all_kernel(
+    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmean_ptr, mu_ptr, sg_ptr, st_ptr,
+    scale, am1, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, NC,
+    H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, PDL: tl.constexpr,
+):
+    """_stats_kernel for *all* heads of a batch row (one query head per KV
+    head), in _keys_kernel's layout: KCH = NSUB * BLOCK_M pages per program,
+    each page's k_mean/k_std of HG heads read as one contiguous run
+    (k_std = k_mean + half_off). The per-head program read [pages, D]
+    slices of one head and ran at 2.8 TB/s. Head groups are the outer loop
+    so that each group's chunk partials accumulate per lane as there."""
+    pdl_start(PDL)
+    i_b = tl.program_id(0)
+    i_c = tl.program_id(1)
+    KCH: tl.constexpr = NSUB * BLOCK_M
+    NHG: tl.constexpr = (H + HG - 1) // HG
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    o_g = tl.arange(0, HG)
+    o_2 = tl.arange(0, 2)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_in = ((o_g.to(tl.int64) * stride_mh)[:, None, None] + (o_2.to(tl.int64) * half_off)[None, :, None]
+            + o_d[None, None, :])
+    first = (o_2 == 0)[None, :, None]  # half 0: k_mean (times q), half 1: k_std (squared, times q^2)
+    for hg in tl.static_range(NHG):
+        h0 = hg * HG
+        o_h = h0 + o_g
+        m_h = o_h < H
+        b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
+                      mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        b_qq = tl.where(first, b_q[:, None, :], (b_q * b_q)[:, None, :])  # [HG, 2, BLOCK_D]
+        if HAS_ALIBI:
+            b_sl = tl.load(slopes_ptr + o_h, mask=m_h, other=0.0)
+        o_row = (i_b * H + o_h).to(tl.int64)
+        m_in = m_h[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
+        k = tl.zeros([HG], tl.float32)
+        s_w = tl.zeros([BLOCK_M], tl.float32)
+        s_1 = tl.zeros([BLOCK_M, HG], tl.float32)
+        s_2 = tl.zeros([BLOCK_M, HG], tl.float32)
+        a_lo = tl.full([BLOCK_M, HG], float("-inf"), tl.float32)
+        a_hi = tl.full([BLOCK_M, HG], float("-inf"), tl.float32)
+        for j in range(NSUB):
+            o_m = i_c * KCH + j * BLOCK_M + tl.arange(0, BLOCK_M)
+            phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
+            p_k = kmean_ptr + (phys * stride_mp + h0 * stride_mh)[:, None, None, None] + o_in[None, :, :, :]
+            b_raw = tl.load(p_k, mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0).to(tl.float32)
+            b_t = tl.sum(tl.where(first[None], b_raw, b_raw * b_raw) * b_qq[None, :, :, :], axis=3)
+            b_mu = tl.sum(tl.where((o_2 == 0)[None, None, :], b_t, 0.0), axis=2) * scale  # [BLOCK_M, HG]
+            b_var = tl.sum(tl.where((o_2 == 1)[None, None, :], b_t, 0.0), axis=2) * (scale * scale)
+            w = n_tok.to(tl.float32)
+            if HAS_ALIBI:
+                mean_pos = (o_m * P - (n - 1)).to(tl.float32) + (w - 1.0) * 0.5
+                b_mu += mean_pos[:, None] * b_sl[None, :]
+                b_var += (tl.maximum(w * w - 1.0, 0.0) / 12.0)[:, None] * (b_sl * b_sl)[None, :]
+            m_ok = m_v[:, None] & m_h[None, :]
+            b_mu = tl.where(m_ok, b_mu, 0.0)
+            b_sig = tl.where(m_ok, tl.sqrt(tl.maximum(b_var, 0.0)), 0.0)
+            o_out = o_row[None, :] * M + o_m[:, None]
+            m_out = (o_m < M)[:, None] & m_h[None, :]
+            tl.store(mu_ptr + o_out, b_mu, mask=m_out)
+            tl.store(sg_ptr + o_out, b_sig, mask=m_out)
+            if j == 0:
+                k = tl.sum(w[:, None] * b_mu, axis=0) / tl.maximum(tl.sum(w, axis=0), 1.0)
+            dev = b_mu - k[None, :]
+            s_w += w
+            s_1 += w[:, None] * dev
+            s_2 += w[:, None] * (dev * dev + b_sig * b_sig)
+            a_lo = tl.maximum(a_lo, tl.where(m_ok, b_mu, float("-inf")))
+            a_hi = tl.maximum(a_hi, tl.where(m_ok, b_mu + 12.0 * b_sig, float("-inf")))
+        c_w = tl.sum(s_w, axis=0)
+        c_1 = tl.sum(s_1, axis=0)
+        mean_d = c_1 / tl.maximum(c_w, 1.0)
+        c_q = tl.maximum(tl.sum(s_2, axis=0) - c_1 * mean_d, 0.0)
+        o_st = (o_row * NC + i_c) * 5
+        tl.store(st_ptr + o_st + 0, c_w + tl.zeros([HG], tl.float32), mask=m_h)
+        tl.store(st_ptr + o_st + 1, k + mean_d, mask=m_h)
+        tl.store(st_ptr + o_st + 2, c_q, mask=m_h)
+        tl.store(st_ptr + o_st + 3, am1 * tl.max(a_lo, axis=0), mask=m_h)
+        tl.store(st_ptr + o_st + 4, am1 * tl.max(a_hi, axis=0), mask=m_h)
 
 
 @triton.jit
-def _iterate(st_ptr, part_ptr, state_ptr, r, it, R, am1, beta,
-             NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
-             BETA_KIND: tl.constexpr, ITERS: tl.constexpr):
-    """The iterate tau_it of head r and its bracket, rebuilt from launch it-1's
-    partials (NCH chunks; the stats launch wrote NCS chunks)."""
-    if it == 0:
-        sw, mn, sq, mlo, mhi = _reduce_stats(st_ptr, r, NCS, NCS_P2)
-        lo = mlo.to(tl.float64) - 1.0  # F(lo) >= 0 (Jensen, beta >= 1)
-        hi = tl.maximum(mhi.to(tl.float64), lo + 1.0)  # F(hi) < 0 (12-sigma tails)
-        tau = lo
+def _start_kernel(st_ptr, state_ptr, NC, am1, beta,
+                  BLOCK_C: tl.constexpr, POOLED: tl.constexpr, ITERS: tl.constexpr,
+                  START_ITERS: tl.constexpr, BETA_KIND: tl.constexpr, PDL: tl.constexpr):
+    """Head r's NC chunk partials (count, mean, M2, bracket maxima) merged in
+    float64 (two passes: mean, then M2 about it) into the pooled moments and
+    the bracket, and the solve's state 0: (lo, hi, tau_0, aux). Pooled:
+    tau_0 is the pooled tau_hat (float64). Otherwise tau_0 = lo, the left
+    end (F(lo) >= 0), and aux the pooled solution in float32 clamped into
+    the bracket: iteration launch 0 evaluates F at both, and the solve goes
+    on from the one nearer the root (on i.i.d. keys the pooled start needs
+    2 Halley steps where the left end needs 4; under ALiBi the pooled model
+    can be far off, and the left end keeps the solve as robust as before)."""
+    pdl_start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    p = st_ptr + r * NC * 5
+    sw = tl.zeros([], tl.float64)
+    s1 = tl.zeros([], tl.float64)
+    mlo = tl.full([], float("-inf"), tl.float32)
+    mhi = tl.full([], float("-inf"), tl.float32)
+    for c0 in range(0, NC, BLOCK_C):
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        m_c = o_c < NC
+        c_w = tl.load(p + o_c * 5 + 0, mask=m_c, other=0.0).to(tl.float64)
+        sw += tl.sum(c_w, axis=0)
+        s1 += tl.sum(c_w * tl.load(p + o_c * 5 + 1, mask=m_c, other=0.0).to(tl.float64), axis=0)
+        mlo = tl.maximum(mlo, tl.max(tl.load(p + o_c * 5 + 3, mask=m_c, other=float("-inf")), axis=0))
+        mhi = tl.maximum(mhi, tl.max(tl.load(p + o_c * 5 + 4, mask=m_c, other=float("-inf")), axis=0))
+    mn = s1 / tl.maximum(sw, 1.0)
+    sq = tl.zeros([], tl.float64)
+    for c0 in range(0, NC, BLOCK_C):
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        m_c = o_c < NC
+        c_w = tl.load(p + o_c * 5 + 0, mask=m_c, other=0.0).to(tl.float64)
+        d = tl.load(p + o_c * 5 + 1, mask=m_c, other=0.0).to(tl.float64) - mn
+        sq += tl.sum(tl.load(p + o_c * 5 + 2, mask=m_c, other=0.0).to(tl.float64) + c_w * d * d, axis=0)
+    lo = mlo.to(tl.float64) - 1.0  # F(lo) >= 0 (Jensen, beta >= 1)
+    hi = tl.maximum(mhi.to(tl.float64), lo + 1.0)  # F(hi) < 0 (12-sigma tails)
+    if POOLED:
+        tau = _pooled_tau(sw, mn, sq, am1, beta, ITERS, BETA_KIND, True)
+        aux = tau
     else:
-        p_s = state_ptr + ((it - 1) * R + r) * 3
-        lo = tl.load(p_s + 0)
-        hi = tl.load(p_s + 1)
-        tau = tl.load(p_s + 2)
-        o_c = tl.arange(0, NCH_P2)
-        m_c = o_c < NCH
-        p = part_ptr + (((it - 1) * R + r) * NCH + o_c) * 3
-        f = tl.sum(tl.load(p + 0, mask=m_c, other=0.0), axis=0)
-        d1 = -beta * tl.sum(tl.load(p + 1, mask=m_c, other=0.0), axis=0)
-        d2 = tl.sum(tl.load(p + 2, mask=m_c, other=0.0), axis=0)
-        tau, lo, hi = _halley_update(f, d1, d2, tau, lo, hi)
-    return tau, lo, hi
+        tau = lo
+        aux = _pooled_tau(sw, mn, sq, am1, beta, START_ITERS, BETA_KIND, False).to(tl.float64)
+        aux = tl.where(aux == aux, tl.minimum(tl.maximum(aux, lo), hi), lo)
+    p_s = state_ptr + r * 4
+    tl.store(p_s + 0, lo)
+    tl.store(p_s + 1, hi)
+    tl.store(p_s + 2, tau)
+    tl.store(p_s + 3, aux)
+
+
+@triton.jit
+def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.constexpr, CONV: tl.constexpr):
+    """(tau_it, lo, hi, converged) of head r for it >= 1: one safeguarded
+    Halley step from state it-1 and the F, F', F'' that launch it-1 summed
+    there. Launch 0 evaluated two points (state 0's tau = lo and aux): the
+    second tightens the bracket and the step starts from whichever has the
+    smaller |log(F + 1)|. Once a Halley step moves tau by <= CONV
+    relative, tau is final (cubic convergence: the next step would be
+    ~1e-15) and later launches keep it without reading their pages."""
+    p_s = state_ptr + ((it - 1) * R + r) * 4
+    lo = tl.load(p_s + 0)
+    hi = tl.load(p_s + 1)
+    tau = tl.load(p_s + 2)
+    aux = tl.load(p_s + 3)
+    o_c = tl.arange(0, NCH_P2)
+    m_c = o_c < NCH
+    p = part_ptr + (((it - 1) * R + r) * NCH + o_c) * 6
+    f = tl.sum(tl.load(p + 0, mask=m_c, other=0.0), axis=0)
+    d1 = -beta * tl.sum(tl.load(p + 1, mask=m_c, other=0.0), axis=0)
+    d2 = tl.sum(tl.load(p + 2, mask=m_c, other=0.0), axis=0)
+    m_2 = m_c & (o_c * 0 + it == 1)
+    two = tl.max(m_2.to(tl.int32), axis=0) > 0  # it == 1, as a tensor on the interpreter too
+    f_b = tl.sum(tl.load(p + 3, mask=m_2, other=0.0), axis=0)
+    d1_b = -beta * tl.sum(tl.load(p + 4, mask=m_2, other=0.0), axis=0)
+    d2_b = tl.sum(tl.load(p + 5, mask=m_2, other=0.0), axis=0)
+    # the second point (two only): its sign tightens the bracket, and it is
+    # the base when nearer the root in log(F + 1) (F(lo) >= 0, so f >= 1)
+    above_b = f_b > 1.0
+    lo = tl.where(two & above_b, aux, lo)
+    hi = tl.where(two & ~above_b, aux, hi)
+    use_b = two & (f_b > 0) & (tl.abs(tl.log(tl.where(f_b > 0, f_b, 1.0))) < tl.abs(tl.log(tl.maximum(f, 1e-300))))
+    f = tl.where(use_b, f_b, f)
+    d1 = tl.where(use_b, d1_b, d1)
+    d2 = tl.where(use_b, d2_b, d2)
+    tau = tl.where(use_b, aux, tau)
+    done = (aux != 0) & ~two
+    nxt, lo_n, hi_n, halley = _halley_update(f, d1, d2, tau, lo, hi)
+    conv = halley & (tl.abs(nxt - tau) <= CONV * tl.abs(nxt))
+    return (tl.where(done, tau, nxt), tl.where(done, lo, lo_n), tl.where(done, hi, hi_n), done | conv)
 
 
 @triton.jit
 def _iter_kernel(
-    ids_ptr, lens_ptr, mu_ptr, sg_ptr, st_ptr, part_ptr, state_ptr,
+    ids_ptr, lens_ptr, mu_ptr, sg_ptr, part_ptr, state_ptr,
     it, R, M, am1, beta,
-    NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
-    CH: tl.constexpr, BLOCK: tl.constexpr,
-    HQ: tl.constexpr, P: tl.constexpr, BETA_KIND: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr,
+    NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
+    HQ: tl.constexpr, P: tl.constexpr, BETA_KIND: tl.constexpr, FIRST: tl.constexpr, CONV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
-    tau, lo, hi = _iterate(st_ptr, part_ptr, state_ptr, i_r, it, R, am1, beta, NCH, NCH_P2, NCS, NCS_P2,
-                           BETA_KIND, ITERS)
-    if i_c == 0:
-        p_s = state_ptr + (it * R + i_r) * 3
-        tl.store(p_s + 0, lo)
-        tl.store(p_s + 1, hi)
-        tl.store(p_s + 2, tau)
-    seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
-    n = tl.load(lens_ptr + seq)
-    # Y_p = am1 S_p - tau in float32: am1 (mu_p - c), c = tau / am1 split as
-    # c_hi + c_lo, so mu_y carries a relative (not |tau|-sized) rounding error.
-    c = tau / am1
-    c_hi = c.to(tl.float32)
-    c_lo = (c - c_hi.to(tl.float64)).to(tl.float32)
-    # float32 terms, summed per lane over the chunk (CH / BLOCK <= 2 terms on
-    # the GPU), then across lanes and chunks in float64
-    # pages holding tokens, rounded up to 4 so that the mask allows vector loads
-    # (the stats kernel wrote mu = sigma = 0 on every page past the length)
-    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
-    a0 = tl.zeros([BLOCK], tl.float32)
-    a1 = tl.zeros([BLOCK], tl.float32)
-    a2 = tl.zeros([BLOCK], tl.float32)
-    for j0 in range(0, CH, BLOCK):
-        o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
-        w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float32)
-        m_v = (o_m < M) & (o_m < npg4)
-        b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
-        b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
-        e_b, e_b1, e_b2 = _gauss_terms(((b_mu - c_hi) - c_lo) * am1, b_sg * am1, BETA_KIND, False)
-        # w = 0 on invalid pages, whose terms are finite (mu = sigma = 0)
-        a0 += w * e_b
-        a1 += w * e_b1
-        a2 += w * e_b2
-    p = part_ptr + ((it * R + i_r) * NCH + i_c) * 3
-    tl.store(p + 0, tl.sum(a0.to(tl.float64), axis=0))
-    tl.store(p + 1, tl.sum(a1.to(tl.float64), axis=0))
-    tl.store(p + 2, tl.sum(a2.to(tl.float64), axis=0))
+    if FIRST:  # state 0 (_start_kernel): evaluate at tau_0 = lo and at the pooled start
+        p_s = state_ptr + i_r * 4
+        tau = tl.load(p_s + 2)
+        tau_b = tl.load(p_s + 3)
+        todo = True
+    else:
+        tau, lo, hi, done = _iterate(part_ptr, state_ptr, i_r, it, R, beta, NCH, NCH_P2, CONV)
+        tau_b = tau
+        if i_c == 0:
+            p_s = state_ptr + (it * R + i_r) * 4
+            tl.store(p_s + 0, lo)
+            tl.store(p_s + 1, hi)
+            tl.store(p_s + 2, tau)
+            tl.store(p_s + 3, done.to(tl.float64))
+        todo = ~done
+    if todo:
+        seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
+        n = tl.load(lens_ptr + seq)
+        # Y_p = am1 S_p - tau in float32: am1 (mu_p - c), c = tau / am1 split as
+        # c_hi + c_lo, so mu_y carries a relative (not |tau|-sized) rounding error.
+        c = tau / am1
+        c_hi = c.to(tl.float32)
+        c_lo = (c - c_hi.to(tl.float64)).to(tl.float32)
+        cb = tau_b / am1
+        cb_hi = cb.to(tl.float32)
+        cb_lo = (cb - cb_hi.to(tl.float64)).to(tl.float32)
+        # float32 terms, summed per lane over the chunk (CH / BLOCK <= 2 terms on
+        # the GPU), then across lanes and chunks in float64
+        # pages holding tokens, rounded up to 4 so that the mask allows vector loads
+        # (the stats kernel wrote mu = sigma = 0 on every page past the length)
+        npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
+        a0 = tl.zeros([BLOCK], tl.float32)
+        a1 = tl.zeros([BLOCK], tl.float32)
+        a2 = tl.zeros([BLOCK], tl.float32)
+        b0 = tl.zeros([BLOCK], tl.float32)
+        b1 = tl.zeros([BLOCK], tl.float32)
+        b2 = tl.zeros([BLOCK], tl.float32)
+        for j0 in range(0, CH, BLOCK):
+            o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
+            w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float32)
+            m_v = (o_m < M) & (o_m < npg4)
+            b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+            b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+            e_b, e_b1, e_b2 = _gauss_terms(((b_mu - c_hi) - c_lo) * am1, b_sg * am1, BETA_KIND, False)
+            # w = 0 on invalid pages, whose terms are finite (mu = sigma = 0)
+            a0 += w * e_b
+            a1 += w * e_b1
+            a2 += w * e_b2
+            if FIRST:
+                e_b, e_b1, e_b2 = _gauss_terms(((b_mu - cb_hi) - cb_lo) * am1, b_sg * am1, BETA_KIND, False)
+                b0 += w * e_b
+                b1 += w * e_b1
+                b2 += w * e_b2
+        p = part_ptr + ((it * R + i_r) * NCH + i_c) * 6
+        tl.store(p + 0, tl.sum(a0.to(tl.float64), axis=0))
+        tl.store(p + 1, tl.sum(a1.to(tl.float64), axis=0))
+        tl.store(p + 2, tl.sum(a2.to(tl.float64), axis=0))
+        if FIRST:
+            tl.store(p + 3, tl.sum(b0.to(tl.float64), axis=0))
+            tl.store(p + 4, tl.sum(b1.to(tl.float64), axis=0))
+            tl.store(p + 5, tl.sum(b2.to(tl.float64), axis=0))
 
 
 @triton.jit
 def _select_kernel(
-    ids_ptr, lens_ptr, mu_ptr, sg_ptr, st_ptr, part_ptr, state_ptr, z_ptr,
+    ids_ptr, lens_ptr, mu_ptr, sg_ptr, part_ptr, state_ptr, z_ptr,
     pages_ptr, counts_ptr, tauhat_ptr,
-    it, R, M, am1, beta, margin, sinks, window,
-    NCH: tl.constexpr, NCH_P2: tl.constexpr, NCS: tl.constexpr, NCS_P2: tl.constexpr,
-    CH: tl.constexpr, BLOCK: tl.constexpr,
+    R, M, am1, beta, margin, sinks, window,
+    NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
     HQ: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, BLOCK_G: tl.constexpr, P: tl.constexpr,
-    BETA_KIND: tl.constexpr, ITERS: tl.constexpr, POOLED: tl.constexpr, PDL: tl.constexpr,
+    NIT: tl.constexpr, CONV: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     i_r = tl.program_id(0)
@@ -446,12 +616,10 @@ def _select_kernel(
     b_tau = tl.zeros([BLOCK_G], tl.float32)
     for g in range(NG):  # (float64 iterate, float32 tau_hat as the reference returns)
         r = (i_b * HQ + h0 + g).to(tl.int64)
-        if POOLED:
-            sw, mn, sq, _mlo, _mhi = _reduce_stats(st_ptr, r, NCS, NCS_P2)
-            t = _pooled_tau(sw, mn, sq, am1, beta, ITERS, BETA_KIND)
+        if NIT == 0:  # pooled: _start_kernel solved it
+            t = tl.load(state_ptr + r * 4 + 2)
         else:
-            t, _lo, _hi = _iterate(st_ptr, part_ptr, state_ptr, r, it, R, am1, beta, NCH, NCH_P2,
-                                   NCS, NCS_P2, BETA_KIND, ITERS)
+            t, _lo, _hi, _done = _iterate(part_ptr, state_ptr, r, NIT, R, beta, NCH, NCH_P2, CONV)
         t = t.to(tl.float32)
         b_tau = tl.where(o_g == g, t, b_tau)
         if i_c == 0:
@@ -519,48 +687,66 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     NG = HQ // S
     M = cache.block_table.shape[1]
     R = B * HQ
-    cfg = gauss_plan(M, G, D, q.dtype, cache.dtype, B * H, num_sms(q.device))
-    NCH, CH, NCS = cfg["NCH"], cfg["CH"], cfg["NCS"]
-    nch_p2, ncs_p2 = next_pow2(NCH), next_pow2(NCS)
-    smp, smh = meta_strides(cache, ("k_mean", "k_std"))
     dev = q.device
+    cfg = gauss_plan(M, G, D, q.dtype, cache.dtype, B * H, num_sms(dev))
+    NCH, CH = cfg["NCH"], cfg["CH"]
+    nch_p2 = next_pow2(NCH)
+    smp, smh = meta_strides(cache, ("k_mean", "k_std"))
     sl = as_slopes(slopes, HQ, dev)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
     am1, beta = float(alpha - 1.0), float(1.0 / (alpha - 1.0))
     mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
     sg = torch.empty_like(mu)
-    st = torch.empty(R, NCS, 5, dtype=torch.float32, device=dev)
     opts = launch_opts(dev)
-    _stats_kernel[(B * H, NCS)](
-        q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
-        mu, sg, st,
-        float(scale), am1, q.stride(0), q.stride(1), smp, smh,
-        HQ, G, M,
-        H=H, NCH=NCS, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
-        NSUB=cfg["NSUBS"], HAS_ALIBI=slopes is not None,
-        USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=4, **opts,
-    )
+    has_alibi = slopes is not None
+    if ALL_HEADS and G == 1:
+        kp = keys_plan(B, M, H, D, num_sms(dev), STATS_TUNE)
+        NC = cdiv(M, kp["KCH"])
+        st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
+        _stats_all_kernel[(B, NC)](
+            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, mu, sg, st,
+            float(scale), am1, q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_mean, cache.k_std),
+            M, NC,
+            H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D), BLOCK_M=kp["BLOCK_M"],
+            NSUB=kp["KCH"] // kp["BLOCK_M"], HAS_ALIBI=has_alibi, num_warps=kp["WARPS"], **opts,
+        )
+    else:
+        NC = cfg["NCS"]
+        st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
+        _stats_kernel[(B * H, NC)](
+            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
+            mu, sg, st,
+            float(scale), am1, q.stride(0), q.stride(1), smp, smh,
+            HQ, G, M,
+            H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
+            NSUB=cfg["NSUBS"], HAS_ALIBI=has_alibi,
+            USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
+            num_warps=4, **opts,
+        )
     nit = 0 if policy.pooled else NIT
-    part = torch.empty(max(nit, 1), R, NCH, 3, dtype=torch.float64, device=dev)
-    state = torch.empty(max(nit, 1), R, 3, dtype=torch.float64, device=dev)
+    state = torch.empty(max(nit, 1), R, 4, dtype=torch.float64, device=dev)
+    part = torch.empty(max(nit, 1), R, NCH, 6, dtype=torch.float64, device=dev)
+    _start_kernel[(R,)](
+        st, state, NC, am1, beta,
+        BLOCK_C=min(1024, next_pow2(NC)), POOLED=policy.pooled, ITERS=SCALAR_ITERS, START_ITERS=START_ITERS,
+        BETA_KIND=bk, num_warps=4, **opts,
+    )
     block = min(1024, CH)
     for it in range(nit):
         _iter_kernel[(R, NCH)](
-            ids, cache.seq_lens, mu, sg, st, part, state,
+            ids, cache.seq_lens, mu, sg, part, state,
             it, R, M, am1, beta,
-            NCH=NCH, NCH_P2=nch_p2, NCS=NCS, NCS_P2=ncs_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
-            BETA_KIND=bk, ITERS=SCALAR_ITERS, num_warps=4, **opts,
+            NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
+            BETA_KIND=bk, FIRST=it == 0, CONV=float(CONV_TOL), num_warps=4, **opts,
         )
     pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
     tau_hat = torch.empty(B, HQ, dtype=torch.float32, device=dev)
     _select_kernel[(B * S, NCH)](
-        ids, cache.seq_lens, mu, sg, st, part, state, z_table(policy.q_max, P, dev),
+        ids, cache.seq_lens, mu, sg, part, state, z_table(policy.q_max, P, dev),
         pages, counts, tau_hat,
-        nit, R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
-        NCH=NCH, NCH_P2=nch_p2, NCS=NCS, NCS_P2=ncs_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
-        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P,
-        BETA_KIND=bk, ITERS=SCALAR_ITERS, POOLED=policy.pooled, num_warps=4, **opts,
+        R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
+        NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
+        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), num_warps=4, **opts,
     )
     return Selection(pages, counts, tau_hat)
