@@ -38,12 +38,35 @@ def page_sets(sel):
     return [[set(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
 
 
+def _with_state(gk, fn):
+    """Run fn, returning its result and the Gaussian solve's state buffer
+    ([NIT, rows, 4] float64: lo, hi, tau, converged flag from launch 1 on),
+    caught as the kernel module allocates it (a diagnostic only)."""
+    real, seen = torch.empty, []
+
+    def empty(*a, **k):
+        t = real(*a, **k)
+        if k.get("dtype") == torch.float64 and t.dim() == 3 and t.shape[-1] == 4:
+            seen.append(t)
+        return t
+
+    torch.empty = empty
+    try:
+        out = fn()
+    finally:
+        torch.empty = real
+    return out, (seen[-1].cpu() if seen else None)
+
+
 def check_gaussian(cname, q, cache, ids, scale, alpha=1.5) -> int:
     """Failures (tau_hat beyond TAU_TOL) of the Gaussian selection on one config."""
     from entmaxkv.kernels import gaussian as gk
 
     pol = Gaussian()
-    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
+    sel, state = _with_state(gk, lambda: K.select(pol, q, cache, ids, alpha=alpha, scale=scale))
+    if state is not None:  # rows whose solve had converged by each iteration launch
+        done = [int((state[it, :, 3] != 0).sum()) if it else 0 for it in range(state.shape[0])]
+        print(f"{cname} Gaussian: rows converged at launches 0..{state.shape[0] - 1}: {done} of {state.shape[1]}")
     conv_tol, nit = gk.CONV_TOL, gk.NIT
     gk.CONV_TOL, gk.NIT = 0.0, 8
     try:

@@ -50,7 +50,6 @@ import triton.language as tl
 from ..types import Selection
 from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
 from .scoring import kv_row, meta_strides, page_gauss, page_rows, prep_query, score_plan
-from .topk import half_offset, keys_plan
 
 # Halley iterations of the page-mixture solve (one launch each; a launch
 # after convergence only forwards the state).
@@ -61,11 +60,6 @@ SCALAR_ITERS = 24
 START_ITERS = 8
 # A Halley step this small (relative) ends the mixture solve (0: never).
 CONV_TOL = 1e-5
-# The all-heads stats pass when there is one query head per KV head (tests
-# switch it off to cover the per-head pass on MHA shapes too).
-ALL_HEADS = True
-# keys_plan overrides for the all-heads stats pass (BLOCK_M, KCH, HG, WARPS), for sweeps.
-STATS_TUNE: dict = {}
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -346,90 +340,6 @@ def _stats_kernel(
 
 
 @triton.jit
-def _stats_all_kernel(
-    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmean_ptr, mu_ptr, sg_ptr, st_ptr,
-    scale, am1, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, NC,
-    H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, PDL: tl.constexpr,
-):
-    """_stats_kernel for *all* heads of a batch row (one query head per KV
-    head), in _keys_kernel's layout: KCH = NSUB * BLOCK_M pages per program,
-    each page's k_mean/k_std of HG heads read as one contiguous run
-    (k_std = k_mean + half_off). The per-head program read [pages, D]
-    slices of one head and ran at 2.8 TB/s. Head groups are the outer loop
-    so that each group's chunk partials accumulate per lane as there."""
-    pdl_start(PDL)
-    i_b = tl.program_id(0)
-    i_c = tl.program_id(1)
-    KCH: tl.constexpr = NSUB * BLOCK_M
-    NHG: tl.constexpr = (H + HG - 1) // HG
-    seq = tl.load(ids_ptr + i_b).to(tl.int64)
-    n = tl.load(lens_ptr + seq)
-    o_g = tl.arange(0, HG)
-    o_2 = tl.arange(0, 2)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    o_in = ((o_g.to(tl.int64) * stride_mh)[:, None, None] + (o_2.to(tl.int64) * half_off)[None, :, None]
-            + o_d[None, None, :])
-    first = (o_2 == 0)[None, :, None]  # half 0: k_mean (times q), half 1: k_std (squared, times q^2)
-    for hg in tl.static_range(NHG):
-        h0 = hg * HG
-        o_h = h0 + o_g
-        m_h = o_h < H
-        b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
-                      mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_qq = tl.where(first, b_q[:, None, :], (b_q * b_q)[:, None, :])  # [HG, 2, BLOCK_D]
-        if HAS_ALIBI:
-            b_sl = tl.load(slopes_ptr + o_h, mask=m_h, other=0.0)
-        o_row = (i_b * H + o_h).to(tl.int64)
-        m_in = m_h[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
-        k = tl.zeros([HG], tl.float32)
-        s_w = tl.zeros([BLOCK_M], tl.float32)
-        s_1 = tl.zeros([BLOCK_M, HG], tl.float32)
-        s_2 = tl.zeros([BLOCK_M, HG], tl.float32)
-        a_lo = tl.full([BLOCK_M, HG], float("-inf"), tl.float32)
-        a_hi = tl.full([BLOCK_M, HG], float("-inf"), tl.float32)
-        for j in range(NSUB):
-            o_m = i_c * KCH + j * BLOCK_M + tl.arange(0, BLOCK_M)
-            phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
-            p_k = kmean_ptr + (phys * stride_mp + h0 * stride_mh)[:, None, None, None] + o_in[None, :, :, :]
-            b_raw = tl.load(p_k, mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0).to(tl.float32)
-            b_t = tl.sum(tl.where(first[None], b_raw, b_raw * b_raw) * b_qq[None, :, :, :], axis=3)
-            b_mu = tl.sum(tl.where((o_2 == 0)[None, None, :], b_t, 0.0), axis=2) * scale  # [BLOCK_M, HG]
-            b_var = tl.sum(tl.where((o_2 == 1)[None, None, :], b_t, 0.0), axis=2) * (scale * scale)
-            w = n_tok.to(tl.float32)
-            if HAS_ALIBI:
-                mean_pos = (o_m * P - (n - 1)).to(tl.float32) + (w - 1.0) * 0.5
-                b_mu += mean_pos[:, None] * b_sl[None, :]
-                b_var += (tl.maximum(w * w - 1.0, 0.0) / 12.0)[:, None] * (b_sl * b_sl)[None, :]
-            m_ok = m_v[:, None] & m_h[None, :]
-            b_mu = tl.where(m_ok, b_mu, 0.0)
-            b_sig = tl.where(m_ok, tl.sqrt(tl.maximum(b_var, 0.0)), 0.0)
-            o_out = o_row[None, :] * M + o_m[:, None]
-            m_out = (o_m < M)[:, None] & m_h[None, :]
-            tl.store(mu_ptr + o_out, b_mu, mask=m_out)
-            tl.store(sg_ptr + o_out, b_sig, mask=m_out)
-            if j == 0:
-                k = tl.sum(w[:, None] * b_mu, axis=0) / tl.maximum(tl.sum(w, axis=0), 1.0)
-            dev = b_mu - k[None, :]
-            s_w += w
-            s_1 += w[:, None] * dev
-            s_2 += w[:, None] * (dev * dev + b_sig * b_sig)
-            a_lo = tl.maximum(a_lo, tl.where(m_ok, b_mu, float("-inf")))
-            a_hi = tl.maximum(a_hi, tl.where(m_ok, b_mu + 12.0 * b_sig, float("-inf")))
-        c_w = tl.sum(s_w, axis=0)
-        c_1 = tl.sum(s_1, axis=0)
-        mean_d = c_1 / tl.maximum(c_w, 1.0)
-        c_q = tl.maximum(tl.sum(s_2, axis=0) - c_1 * mean_d, 0.0)
-        o_st = (o_row * NC + i_c) * 5
-        tl.store(st_ptr + o_st + 0, c_w + tl.zeros([HG], tl.float32), mask=m_h)
-        tl.store(st_ptr + o_st + 1, k + mean_d, mask=m_h)
-        tl.store(st_ptr + o_st + 2, c_q, mask=m_h)
-        tl.store(st_ptr + o_st + 3, am1 * tl.max(a_lo, axis=0), mask=m_h)
-        tl.store(st_ptr + o_st + 4, am1 * tl.max(a_hi, axis=0), mask=m_h)
-
-
-@triton.jit
 def _start_kernel(st_ptr, state_ptr, NC, am1, beta,
                   BLOCK_C: tl.constexpr, POOLED: tl.constexpr, ITERS: tl.constexpr,
                   START_ITERS: tl.constexpr, BETA_KIND: tl.constexpr, PDL: tl.constexpr):
@@ -482,14 +392,24 @@ def _start_kernel(st_ptr, state_ptr, NC, am1, beta,
 
 
 @triton.jit
+def _converged(state_ptr, r, it, R):
+    """Whether head r's solve had converged by state it-1 (the flag slot of
+    states 1.. ; state 0 holds the pooled start there)."""
+    aux = tl.load(state_ptr + ((it - 1) * R + r) * 4 + 3)
+    return (aux != 0) & ((it + tl.zeros([], tl.int32)) > 1)
+
+
+@triton.jit
 def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.constexpr, CONV: tl.constexpr):
-    """(tau_it, lo, hi, converged) of head r for it >= 1: one safeguarded
-    Halley step from state it-1 and the F, F', F'' that launch it-1 summed
-    there. Launch 0 evaluated two points (state 0's tau = lo and aux): the
-    second tightens the bracket and the step starts from whichever has the
-    smaller |log(F + 1)|. Once a Halley step moves tau by <= CONV
-    relative, tau is final (cubic convergence: the next step would be
-    ~1e-15) and later launches keep it without reading their pages."""
+    """(tau_it, lo, hi, converged) of head r for it >= 1 and a state it-1
+    that has not converged: one safeguarded Halley step from state it-1 and
+    the F, F', F'' that launch it-1 summed there. Launch 0 evaluated two
+    points (state 0's tau = lo and its aux, the pooled start): the second
+    tightens the bracket and the step starts from whichever has the smaller
+    |log(F + 1)|. A Halley step that moves tau by <= CONV relative ends the
+    solve (cubic convergence: the next step would be below the float32
+    noise of the sums); later launches forward the state without reading
+    their pages."""
     p_s = state_ptr + ((it - 1) * R + r) * 4
     lo = tl.load(p_s + 0)
     hi = tl.load(p_s + 1)
@@ -506,8 +426,8 @@ def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.
     f_b = tl.sum(tl.load(p + 3, mask=m_2, other=0.0), axis=0)
     d1_b = -beta * tl.sum(tl.load(p + 4, mask=m_2, other=0.0), axis=0)
     d2_b = tl.sum(tl.load(p + 5, mask=m_2, other=0.0), axis=0)
-    # the second point (two only): its sign tightens the bracket, and it is
-    # the base when nearer the root in log(F + 1) (F(lo) >= 0, so f >= 1)
+    # the second point: its sign tightens the bracket, and it is the base
+    # when nearer the root in log(F + 1) (F(lo) >= 0, so f >= 1)
     above_b = f_b > 1.0
     lo = tl.where(two & above_b, aux, lo)
     hi = tl.where(two & ~above_b, aux, hi)
@@ -516,10 +436,59 @@ def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.
     d1 = tl.where(use_b, d1_b, d1)
     d2 = tl.where(use_b, d2_b, d2)
     tau = tl.where(use_b, aux, tau)
-    done = (aux != 0) & ~two
-    nxt, lo_n, hi_n, halley = _halley_update(f, d1, d2, tau, lo, hi)
-    conv = halley & (tl.abs(nxt - tau) <= CONV * tl.abs(nxt))
-    return (tl.where(done, tau, nxt), tl.where(done, lo, lo_n), tl.where(done, hi, hi_n), done | conv)
+    nxt, lo, hi, halley = _halley_update(f, d1, d2, tau, lo, hi)
+    return nxt, lo, hi, halley & (tl.abs(nxt - tau) <= CONV * tl.abs(nxt))
+
+
+@triton.jit
+def _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau_b,
+                NCH: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
+                BETA_KIND: tl.constexpr, TWO: tl.constexpr):
+    """Chunk i_c's sums of w E[Y+^beta], w E[Y+^(beta-1)], d^2/dtau^2 at tau
+    (and at tau_b with TWO) into launch it's partials."""
+    # Y_p = am1 S_p - tau in float32: am1 (mu_p - c), c = tau / am1 split as
+    # c_hi + c_lo, so mu_y carries a relative (not |tau|-sized) rounding error.
+    c = tau / am1
+    c_hi = c.to(tl.float32)
+    c_lo = (c - c_hi.to(tl.float64)).to(tl.float32)
+    cb = tau_b / am1
+    cb_hi = cb.to(tl.float32)
+    cb_lo = (cb - cb_hi.to(tl.float64)).to(tl.float32)
+    # float32 terms, summed per lane over the chunk (CH / BLOCK <= 2 terms on
+    # the GPU), then across lanes and chunks in float64
+    # pages holding tokens, rounded up to 4 so that the mask allows vector loads
+    # (the stats kernel wrote mu = sigma = 0 on every page past the length)
+    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
+    a0 = tl.zeros([BLOCK], tl.float32)
+    a1 = tl.zeros([BLOCK], tl.float32)
+    a2 = tl.zeros([BLOCK], tl.float32)
+    b0 = tl.zeros([BLOCK], tl.float32)
+    b1 = tl.zeros([BLOCK], tl.float32)
+    b2 = tl.zeros([BLOCK], tl.float32)
+    for j0 in range(0, CH, BLOCK):
+        o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
+        w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float32)
+        m_v = (o_m < M) & (o_m < npg4)
+        b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+        b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+        e_b, e_b1, e_b2 = _gauss_terms(((b_mu - c_hi) - c_lo) * am1, b_sg * am1, BETA_KIND, False)
+        # w = 0 on invalid pages, whose terms are finite (mu = sigma = 0)
+        a0 += w * e_b
+        a1 += w * e_b1
+        a2 += w * e_b2
+        if TWO:
+            e_b, e_b1, e_b2 = _gauss_terms(((b_mu - cb_hi) - cb_lo) * am1, b_sg * am1, BETA_KIND, False)
+            b0 += w * e_b
+            b1 += w * e_b1
+            b2 += w * e_b2
+    p = part_ptr + ((it * R + i_r) * NCH + i_c) * 6
+    tl.store(p + 0, tl.sum(a0.to(tl.float64), axis=0))
+    tl.store(p + 1, tl.sum(a1.to(tl.float64), axis=0))
+    tl.store(p + 2, tl.sum(a2.to(tl.float64), axis=0))
+    if TWO:
+        tl.store(p + 3, tl.sum(b0.to(tl.float64), axis=0))
+        tl.store(p + 4, tl.sum(b1.to(tl.float64), axis=0))
+        tl.store(p + 5, tl.sum(b2.to(tl.float64), axis=0))
 
 
 @triton.jit
@@ -533,67 +502,30 @@ def _iter_kernel(
     pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
-    if FIRST:  # state 0 (_start_kernel): evaluate at tau_0 = lo and at the pooled start
+    seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    if FIRST:  # state 0 (_start_kernel): F at tau_0 = lo and at the pooled start
         p_s = state_ptr + i_r * 4
-        tau = tl.load(p_s + 2)
-        tau_b = tl.load(p_s + 3)
-        todo = True
+        _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tl.load(p_s + 2), tl.load(p_s + 3),
+                    NCH, CH, BLOCK, P, BETA_KIND, True)
     else:
-        tau, lo, hi, done = _iterate(part_ptr, state_ptr, i_r, it, R, beta, NCH, NCH_P2, CONV)
-        tau_b = tau
-        if i_c == 0:
-            p_s = state_ptr + (it * R + i_r) * 4
-            tl.store(p_s + 0, lo)
-            tl.store(p_s + 1, hi)
-            tl.store(p_s + 2, tau)
-            tl.store(p_s + 3, done.to(tl.float64))
-        todo = ~done
-    if todo:
-        seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
-        n = tl.load(lens_ptr + seq)
-        # Y_p = am1 S_p - tau in float32: am1 (mu_p - c), c = tau / am1 split as
-        # c_hi + c_lo, so mu_y carries a relative (not |tau|-sized) rounding error.
-        c = tau / am1
-        c_hi = c.to(tl.float32)
-        c_lo = (c - c_hi.to(tl.float64)).to(tl.float32)
-        cb = tau_b / am1
-        cb_hi = cb.to(tl.float32)
-        cb_lo = (cb - cb_hi.to(tl.float64)).to(tl.float32)
-        # float32 terms, summed per lane over the chunk (CH / BLOCK <= 2 terms on
-        # the GPU), then across lanes and chunks in float64
-        # pages holding tokens, rounded up to 4 so that the mask allows vector loads
-        # (the stats kernel wrote mu = sigma = 0 on every page past the length)
-        npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
-        a0 = tl.zeros([BLOCK], tl.float32)
-        a1 = tl.zeros([BLOCK], tl.float32)
-        a2 = tl.zeros([BLOCK], tl.float32)
-        b0 = tl.zeros([BLOCK], tl.float32)
-        b1 = tl.zeros([BLOCK], tl.float32)
-        b2 = tl.zeros([BLOCK], tl.float32)
-        for j0 in range(0, CH, BLOCK):
-            o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
-            w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float32)
-            m_v = (o_m < M) & (o_m < npg4)
-            b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
-            b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
-            e_b, e_b1, e_b2 = _gauss_terms(((b_mu - c_hi) - c_lo) * am1, b_sg * am1, BETA_KIND, False)
-            # w = 0 on invalid pages, whose terms are finite (mu = sigma = 0)
-            a0 += w * e_b
-            a1 += w * e_b1
-            a2 += w * e_b2
-            if FIRST:
-                e_b, e_b1, e_b2 = _gauss_terms(((b_mu - cb_hi) - cb_lo) * am1, b_sg * am1, BETA_KIND, False)
-                b0 += w * e_b
-                b1 += w * e_b1
-                b2 += w * e_b2
-        p = part_ptr + ((it * R + i_r) * NCH + i_c) * 6
-        tl.store(p + 0, tl.sum(a0.to(tl.float64), axis=0))
-        tl.store(p + 1, tl.sum(a1.to(tl.float64), axis=0))
-        tl.store(p + 2, tl.sum(a2.to(tl.float64), axis=0))
-        if FIRST:
-            tl.store(p + 3, tl.sum(b0.to(tl.float64), axis=0))
-            tl.store(p + 4, tl.sum(b1.to(tl.float64), axis=0))
-            tl.store(p + 5, tl.sum(b2.to(tl.float64), axis=0))
+        p_s = state_ptr + (it * R + i_r) * 4
+        if _converged(state_ptr, i_r, it, R):  # forward the state, read nothing else
+            if i_c == 0:
+                p_p = state_ptr + ((it - 1) * R + i_r) * 4
+                tl.store(p_s + 0, tl.load(p_p + 0))
+                tl.store(p_s + 1, tl.load(p_p + 1))
+                tl.store(p_s + 2, tl.load(p_p + 2))
+                tl.store(p_s + 3, tl.load(p_p + 3))
+        else:
+            tau, lo, hi, conv = _iterate(part_ptr, state_ptr, i_r, it, R, beta, NCH, NCH_P2, CONV)
+            if i_c == 0:
+                tl.store(p_s + 0, lo)
+                tl.store(p_s + 1, hi)
+                tl.store(p_s + 2, tau)
+                tl.store(p_s + 3, conv.to(tl.float64))
+            _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau,
+                        NCH, CH, BLOCK, P, BETA_KIND, False)
 
 
 @triton.jit
@@ -618,8 +550,10 @@ def _select_kernel(
         r = (i_b * HQ + h0 + g).to(tl.int64)
         if NIT == 0:  # pooled: _start_kernel solved it
             t = tl.load(state_ptr + r * 4 + 2)
+        elif _converged(state_ptr, r, NIT, R):
+            t = tl.load(state_ptr + ((NIT - 1) * R + r) * 4 + 2)
         else:
-            t, _lo, _hi, _done = _iterate(part_ptr, state_ptr, r, NIT, R, beta, NCH, NCH_P2, CONV)
+            t, _lo, _hi, _conv = _iterate(part_ptr, state_ptr, r, NIT, R, beta, NCH, NCH_P2, CONV)
         t = t.to(tl.float32)
         b_tau = tl.where(o_g == g, t, b_tau)
         if i_c == 0:
@@ -698,31 +632,18 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
     sg = torch.empty_like(mu)
     opts = launch_opts(dev)
-    has_alibi = slopes is not None
-    if ALL_HEADS and G == 1:
-        kp = keys_plan(B, M, H, D, num_sms(dev), STATS_TUNE)
-        NC = cdiv(M, kp["KCH"])
-        st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
-        _stats_all_kernel[(B, NC)](
-            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, mu, sg, st,
-            float(scale), am1, q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_mean, cache.k_std),
-            M, NC,
-            H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D), BLOCK_M=kp["BLOCK_M"],
-            NSUB=kp["KCH"] // kp["BLOCK_M"], HAS_ALIBI=has_alibi, num_warps=kp["WARPS"], **opts,
-        )
-    else:
-        NC = cfg["NCS"]
-        st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
-        _stats_kernel[(B * H, NC)](
-            q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
-            mu, sg, st,
-            float(scale), am1, q.stride(0), q.stride(1), smp, smh,
-            HQ, G, M,
-            H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
-            NSUB=cfg["NSUBS"], HAS_ALIBI=has_alibi,
-            USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-            num_warps=4, **opts,
-        )
+    NC = cfg["NCS"]
+    st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
+    _stats_kernel[(B * H, NC)](
+        q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
+        mu, sg, st,
+        float(scale), am1, q.stride(0), q.stride(1), smp, smh,
+        HQ, G, M,
+        H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
+        NSUB=cfg["NSUBS"], HAS_ALIBI=slopes is not None,
+        USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
+        num_warps=4, **opts,
+    )
     nit = 0 if policy.pooled else NIT
     state = torch.empty(max(nit, 1), R, 4, dtype=torch.float64, device=dev)
     part = torch.empty(max(nit, 1), R, NCH, 6, dtype=torch.float64, device=dev)

@@ -106,13 +106,11 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
     return cfg
 
 
-def keys_plan(B: int, MK: int, H: int, D: int, sms: int, tune: Optional[dict] = None) -> dict:
+def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
     """_keys_kernel blocks: BLOCK_M pages x HG heads per step (about 16K
     values in registers), KEYS_CH pages per program (many short programs:
-    a small last wave; results/tune_keys.log). ``tune`` (default
-    ``KEYS_TUNE``, set by benchmarks/tune_keys.py) overrides any entry.
-    Gaussian's all-heads stats pass reads the same layout (k_mean/k_std)
-    with these blocks."""
+    a small last wave; results/tune_keys.log). ``KEYS_TUNE``
+    (benchmarks/tune_keys.py) overrides any entry."""
     hp = next_pow2(H)
     hg = H & -H  # the largest power of two dividing H: unmasked contiguous runs
     if hg * 4 < hp:
@@ -123,7 +121,7 @@ def keys_plan(B: int, MK: int, H: int, D: int, sms: int, tune: Optional[dict] = 
         block_m = min(block_m, 16)
     plan = dict(BLOCK_M=block_m, KCH=max(block_m, KEYS_CH), HG=hg,
                 WARPS=8 if block_m * per_page >= 8192 else 4)
-    plan.update(KEYS_TUNE if tune is None else tune)
+    plan.update(KEYS_TUNE)
     return plan
 
 
