@@ -524,8 +524,9 @@ def _iter_kernel(
                 tl.store(p_s + 1, hi)
                 tl.store(p_s + 2, tau)
                 tl.store(p_s + 3, conv.to(tl.float64))
-            _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau,
-                        NCH, CH, BLOCK, P, BETA_KIND, False)
+            if not conv:  # a final tau needs no F (nothing reads this launch's partials)
+                _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau,
+                            NCH, CH, BLOCK, P, BETA_KIND, False)
 
 
 @triton.jit
