@@ -232,13 +232,17 @@ def _halley_update(sm, d1, d2, tau, lo, hi):
     pos = sm > 0
     sms = tl.where(pos, sm, 1.0)
     g = tl.log(sms)
-    g1 = d1 / sms
-    g2 = d2 / sms - g1 * g1
-    g1s = tl.where(g1 != 0, g1, -1.0)
-    L = g * g2 / (g1s * g1s)
+    # three divisions, not five: this runs (redundantly, in float64) in
+    # every program of an iteration launch
+    r = 1.0 / sms
+    g1 = d1 * r
+    g2 = d2 * r - g1 * g1
+    inv = 1.0 / tl.where(g1 != 0, g1, -1.0)
+    step = g * inv
+    L = step * g2 * inv
     L = tl.where(L == L, L, 0.0)
     L = tl.minimum(tl.maximum(L, -1.0), 1.0)
-    cand = tau - (g / g1s) / (1.0 - 0.5 * L)
+    cand = tau - step / (1.0 - 0.5 * L)
     ok = (cand >= lo) & (cand <= hi) & (g1 != 0) & pos
     return tl.where(ok, cand, 0.5 * (lo + hi)), lo, hi, ok
 
@@ -427,11 +431,12 @@ def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.
     d1_b = -beta * tl.sum(tl.load(p + 4, mask=m_2, other=0.0), axis=0)
     d2_b = tl.sum(tl.load(p + 5, mask=m_2, other=0.0), axis=0)
     # the second point: its sign tightens the bracket, and it is the base
-    # when nearer the root in log(F + 1) (F(lo) >= 0, so f >= 1)
+    # when nearer the root in log(F + 1): F(lo) >= 0, so f >= 1, and
+    # |log f_b| < log f is f_b < f above 1 and f f_b > 1 below (no logs)
     above_b = f_b > 1.0
     lo = tl.where(two & above_b, aux, lo)
     hi = tl.where(two & ~above_b, aux, hi)
-    use_b = two & (f_b > 0) & (tl.abs(tl.log(tl.where(f_b > 0, f_b, 1.0))) < tl.abs(tl.log(tl.maximum(f, 1e-300))))
+    use_b = two & (f_b > 0) & tl.where(f_b >= 1.0, f_b < f, f * f_b > 1.0)
     f = tl.where(use_b, f_b, f)
     d1 = tl.where(use_b, d1_b, d1)
     d2 = tl.where(use_b, d2_b, d2)
