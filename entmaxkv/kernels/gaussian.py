@@ -16,15 +16,20 @@ Launches (no host synchronisation, fixed count):
    of k_mean / k_std) plus per-chunk partials: token-weighted sums for the
    pooled Gaussian (shifted sums, accumulated per lane, one reduction per
    program) and the maxima that bracket tau_hat.
-2. ``_iter_kernel`` x NIT (B*HQ x NCH): safeguarded Halley on log(F + 1)
-   from the bracket's left end, one launch per iteration. Every program of a
-   head rebuilds the same float64 iterate from the previous launch's partial
-   sums (deterministic: same data, same order), then writes its chunk's F, F',
-   F'' at the new iterate. Skipped when pooled.
-3. ``_select_kernel`` (B*S x NCH): final iterate, threshold test, forced
+2. ``_start_kernel`` (B*HQ): the chunk partials merged in float64 into the
+   bracket and the pooled moments; state 0 = the bracket's left end and the
+   pooled-Gaussian solution (the policy's tau_hat when pooled).
+3. ``_iter_kernel`` x NIT (B*HQ x NCH): safeguarded Halley on log(F + 1),
+   one launch per iteration. Launch 0 evaluates F, F', F'' at both points of
+   state 0; later launches rebuild the same float64 iterate in every program
+   of a head from the previous launch's partial sums (deterministic: same
+   data, same order), then write their chunk's sums at the new iterate. Once
+   a step moves tau by <= CONV_TOL (relative) the solve is final and the
+   launches skip their pages. Skipped when pooled.
+4. ``_select_kernel`` (B*S x NCH): final iterate, threshold test, forced
    pages, compaction with one atomic per chunk (pages unsorted).
 
-Precision of the per-page terms (launch 2, the hot loop: NIT x B*HQ*M pages).
+Precision of the per-page terms (launch 3, the hot loop: up to NIT x B*HQ*M pages).
 They are float32, summed per lane in float32 over at most CH / BLOCK pages,
 then across lanes and chunks in float64; the iterate and its bracket are
 float64. tau_hat sits deep in the lower tail at long context (x = -mu_Y / s_Y
