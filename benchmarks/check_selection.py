@@ -24,18 +24,11 @@ from bench_decode import CONFIGS, build
 from entmaxkv import Gaussian, TopK
 from entmaxkv import kernels as K
 from entmaxkv import policies as RP
-from entmaxkv import scoring as RS
-from entmaxkv.gaussian import solve_tau_hat
+from gpu_check import sets, tau_hat_f64
 
 # relative tau_hat error that fails the Gaussian check (float32 tau_hat over
 # float32 page statistics: a few 1e-7)
 TAU_TOL = 2e-6
-
-
-def page_sets(sel):
-    B, S, _ = sel.pages.shape
-    p, c = sel.pages.cpu(), sel.counts.cpu()
-    return [[set(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
 
 
 def _with_state(gk, fn):
@@ -73,13 +66,11 @@ def check_gaussian(cname, q, cache, ids, scale, alpha=1.5) -> int:
         full = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
     finally:
         gk.CONV_TOL, gk.NIT = conv_tol, nit
-    mu, sg, n = RS.gaussian_stats(q.double(), cache, ids, scale=scale)
-    oracle = solve_tau_hat(mu, sg, n[:, None, :].expand_as(mu), alpha, iters=120)
-    del mu, sg
+    oracle = tau_hat_f64(pol, q, cache, ids, scale, None, alpha)
     err = ((sel.tau_hat.double() - oracle).abs() / oracle.abs().clamp_min(1.0)).max().item()
     err_full = ((full.tau_hat.double() - oracle).abs() / oracle.abs().clamp_min(1.0)).max().item()
     ref = RP.select(pol, q, cache, ids, alpha=alpha, scale=scale)
-    diff = sum(len(a ^ b) for ra, rb in zip(page_sets(sel), page_sets(ref)) for a, b in zip(ra, rb))
+    diff = sum(len(a ^ b) for ra, rb in zip(sets(sel), sets(ref)) for a, b in zip(ra, rb))
     kept = int(sel.counts.sum())
     print(f"{cname} {pol}: tau_hat rel err {err:.1e} (never stopping early: {err_full:.1e}); "
           f"{kept} pages kept, {diff} differ from the reference's", flush=True)
@@ -101,11 +92,7 @@ def main(argv=None) -> int:
             ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=scale)
             B, S, _ = sel.pages.shape
             bad = int((sel.counts != ref.counts).sum())
-            for b in range(B):
-                for s in range(S):
-                    got = set(sel.pages[b, s, : int(sel.counts[b, s])].tolist())
-                    want = set(ref.pages[b, s, : int(ref.counts[b, s])].tolist())
-                    bad += got != want
+            bad += sum(got != want for rg, rw in zip(sets(sel), sets(ref)) for got, want in zip(rg, rw))
             bad_total += bad
             print(f"{cname} {pol}: {bad} of {B * S} rows differ", flush=True)
         bad_total += check_gaussian(cname, q, cache, ids, scale)

@@ -23,9 +23,9 @@ for cname in sys.argv[1].split(","):
     cache, ids, q, k4, v4 = build(cfg)
     del k4, v4
     scale = 1 / math.sqrt(cfg[4])
+    conv_tol = gk.CONV_TOL
     for variant in ("default", "conv0"):
-        if variant == "conv0":
-            gk.CONV_TOL = 0.0
+        gk.CONV_TOL = 0.0 if variant == "conv0" else conv_tol
         for _ in range(3):
             K.select(Gaussian(), q, cache, ids, alpha=1.5, scale=scale)
         torch.cuda.synchronize()
@@ -34,6 +34,6 @@ for cname in sys.argv[1].split(","):
             torch.cuda.synchronize()
         evs = [e for e in prof.events() if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
         print(cname, variant, " ".join(f"{e.name.replace('_kernel','')}:{getattr(e, 'device_time', 0):.1f}" for e in evs))
-        gk.CONV_TOL = 1e-5
+    gk.CONV_TOL = conv_tol
     del cache
     torch.cuda.empty_cache()

@@ -142,7 +142,7 @@ def run_case(case_i, dtype, D, H, G, P, K, report):
                     if sel.tau_hat is not None:
                         # against a float64 solve (the float32 reference loses digits in
                         # the Gaussian tail, e.g. pooled rows under ALiBi)
-                        oracle = _tau_hat_f64(pol, q, cache, ids, scale, slopes, alpha)
+                        oracle = tau_hat_f64(pol, q, cache, ids, scale, slopes, alpha)
                         te = float((sel.tau_hat.double() - oracle).abs().max())
                         tr = float((rsel.tau_hat.double() - oracle).abs().max())
                         th = f" tau_hat {te:.1e} (float32 reference {tr:.1e})"
@@ -181,7 +181,7 @@ def run_case(case_i, dtype, D, H, G, P, K, report):
         del cache
 
 
-def _tau_hat_f64(pol, q, cache, ids, scale, slopes, alpha):
+def tau_hat_f64(pol, q, cache, ids, scale, slopes, alpha):
     from entmaxkv.gaussian import pooled_moments, solve_tau_hat
 
     sl = None if slopes is None else slopes.double()
