@@ -322,6 +322,21 @@ def test_gaussian_select_short_stats_chunks(pooled, monkeypatch):
     _check_gaussian_select(1.5, pooled, False, True)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("G,D,dtype", [(1, 24, torch.float16), (4, 16, torch.bfloat16)], ids=["mha-f16", "gqa4-bf16"])
+def test_gaussian_stats_blocks_prefetched(prefetch, G, D, dtype, monkeypatch):
+    """The stats launch with 16-page blocks (four per chunk), loading each
+    block's page ids and moments one block ahead or not: every block must be
+    reduced with its own pages (tau_hat against the oracle, pages by the
+    definition)."""
+    gk = importlib.import_module("entmaxkv.kernels.gaussian")
+    monkeypatch.setattr(gk, "STATS_PREFETCH", prefetch)
+    monkeypatch.setattr(gk, "STATS_BLOCK_M", 16)
+    monkeypatch.setattr(gk, "MIN_CH", 32)
+    monkeypatch.setattr(gk, "CHUNK_FACTOR", 1024)
+    _check_gaussian_select(1.5, False, False, True, H=3, G=G, D=D, dtype=dtype)
+
+
 @pytest.mark.parametrize("H,D,dtype,alpha,pooled,slopes", [
     (3, 24, torch.float16, 1.5, False, True), (4, 16, torch.float32, 2.0, False, False),
     (5, 40, torch.bfloat16, 4.0 / 3.0, True, True),

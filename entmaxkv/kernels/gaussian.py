@@ -54,7 +54,7 @@ import triton.language as tl
 
 from ..types import Selection
 from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
-from .scoring import kv_row, meta_strides, page_gauss, page_rows, prep_query, score_plan
+from .scoring import gauss_of, kv_row, load_moments, meta_strides, page_rows, prep_query, score_plan
 
 # Halley iterations of the page-mixture solve (one launch each; a launch
 # after convergence only forwards the state).
@@ -70,6 +70,14 @@ CONV_TOL = 1e-5
 # heuristics
 # ---------------------------------------------------------------------------
 
+
+# The stats launch: load each block's page ids and moments one block ahead
+# (in flight while the previous block is reduced), its warps, pipeline
+# stages (None: Triton's default) and pages per block (0: the scoring plan's).
+STATS_PREFETCH = False
+STATS_WARPS = 4
+STATS_STAGES = None
+STATS_BLOCK_M = 0
 
 # Programs per multiprocessor the stats launch (B*H x NCH) aims for: chunks
 # shrink (down to MIN_CH pages) until there are that many.
@@ -277,19 +285,14 @@ def _pooled_tau(sw, mn, sq, am1, beta, ITERS: tl.constexpr, BETA_KIND: tl.conste
 
 
 @triton.jit
-def _stats_block(b_q, b_sl, bt_ptr, kmean_ptr, kstd_ptr, mu_ptr, sg_ptr, seq, n, o_m, o_row, m_g, kvh, scale,
-                 stride_mp, stride_mh, M,
-                 P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """mu, sigma [BLOCK_G, BLOCK_M] of pages o_m (stored), their token counts
-    (float32 [BLOCK_M], 0 on invalid pages) and the valid mask."""
+def _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh, stride_mp, stride_mh, M, live,
+                 P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Pages o_m's valid mask, token counts and loaded k_mean / k_std (none
+    valid unless ``live``: the prefetch past a chunk's last block)."""
     phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
-    b_mu, b_sig = page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, n - 1, kvh, scale,
-                             stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
-    o_out = o_row[:, None] * M + o_m[None, :]
-    tl.store(mu_ptr + o_out, b_mu, mask=m_g[:, None] & (o_m < M)[None, :])
-    tl.store(sg_ptr + o_out, b_sig, mask=m_g[:, None] & (o_m < M)[None, :])
-    return b_mu, b_sig, n_tok.to(tl.float32), m_v[None, :] & m_g[:, None]
+    m_v = m_v & live
+    b_mean, b_std = load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh, D, BLOCK_D)
+    return m_v, n_tok, b_mean, b_std
 
 
 @triton.jit
@@ -301,7 +304,7 @@ def _stats_kernel(
     H: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     i_c = tl.program_id(1)
@@ -321,11 +324,25 @@ def _stats_kernel(
     s_2 = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
     a_lo = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
     a_hi = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
+    o_m = i_c * (NSUB * BLOCK_M) + tl.arange(0, BLOCK_M)
+    if PREFETCH:  # the first block's moments; later blocks' are loaded one block ahead
+        m_v, n_tok, b_mean, b_std = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh,
+                                                 stride_mp, stride_mh, M, True, P, D, BLOCK_D)
     for j in range(NSUB):
-        o_m = i_c * (NSUB * BLOCK_M) + j * BLOCK_M + tl.arange(0, BLOCK_M)
-        b_mu, b_sig, w, m_ok = _stats_block(b_q, b_sl, bt_ptr, kmean_ptr, kstd_ptr, mu_ptr, sg_ptr, seq, n,
-                                            o_m, o_row, m_g, kvh, scale, stride_mp, stride_mh, M,
-                                            P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+        if PREFETCH:  # the next block's page ids and moments, in flight while this block is reduced
+            m_vx, n_tokx, b_meanx, b_stdx = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m + BLOCK_M,
+                                                         kvh, stride_mp, stride_mh, M, j + 1 < NSUB,
+                                                         P, D, BLOCK_D)
+        else:
+            m_v, n_tok, b_mean, b_std = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh,
+                                                     stride_mp, stride_mh, M, True, P, D, BLOCK_D)
+        b_mu, b_sig = gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, n - 1, scale,
+                               P, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+        o_out = o_row[:, None] * M + o_m[None, :]
+        tl.store(mu_ptr + o_out, b_mu, mask=m_g[:, None] & (o_m < M)[None, :])
+        tl.store(sg_ptr + o_out, b_sig, mask=m_g[:, None] & (o_m < M)[None, :])
+        w = n_tok.to(tl.float32)
+        m_ok = m_v[None, :] & m_g[:, None]
         if j == 0:
             k = tl.sum(w[None, :] * b_mu, axis=1) / tl.maximum(tl.sum(w, axis=0), 1.0)
         dev = b_mu - k[:, None]
@@ -334,6 +351,9 @@ def _stats_kernel(
         s_2 += w[None, :] * (dev * dev + b_sig * b_sig)
         a_lo = tl.maximum(a_lo, tl.where(m_ok, b_mu, float("-inf")))
         a_hi = tl.maximum(a_hi, tl.where(m_ok, b_mu + 12.0 * b_sig, float("-inf")))
+        o_m += BLOCK_M
+        if PREFETCH:
+            m_v, n_tok, b_mean, b_std = m_vx, n_tokx, b_meanx, b_stdx
     c_w = tl.sum(s_w, axis=0)
     c_1 = tl.sum(s_1, axis=1)
     mean_d = c_1 / tl.maximum(c_w, 1.0)
@@ -644,16 +664,18 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     sg = torch.empty_like(mu)
     opts = launch_opts(dev)
     NC = cfg["NCS"]
+    bms = min(STATS_BLOCK_M or cfg["BLOCK_M"], cfg["CHS"])
+    stages = {} if STATS_STAGES is None else dict(num_stages=STATS_STAGES)
     st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
     _stats_kernel[(B * H, NC)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
         mu, sg, st,
         float(scale), am1, q.stride(0), q.stride(1), smp, smh,
         HQ, G, M,
-        H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
-        NSUB=cfg["NSUBS"], HAS_ALIBI=slopes is not None,
-        USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=4, **opts,
+        H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=bms,
+        NSUB=cfg["CHS"] // bms, HAS_ALIBI=slopes is not None,
+        USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"], PREFETCH=STATS_PREFETCH,
+        num_warps=STATS_WARPS, **stages, **opts,
     )
     nit = 0 if policy.pooled else NIT
     state = torch.empty(max(nit, 1), R, 4, dtype=torch.float64, device=dev)

@@ -143,20 +143,27 @@ def page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m, pos_q, kvh
 
 
 @triton.jit
-def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, pos_q, kvh, scale,
-               stride_mp, stride_mh,
-               P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """(mu, sigma) [BLOCK_G, BLOCK_M] float32 of the page score model (0 on invalid pages)."""
+def load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """k_mean, k_std [BLOCK_M, BLOCK_D] (storage dtype, 0 on invalid pages) of physical pages phys."""
     o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
     o_p = phys * stride_mp + kvh * stride_mh
-    m_k = m_v[:, None] & m_d[None, :]
+    m_k = m_v[:, None] & (o_d < D)[None, :]
     b_mean = tl.load(kmean_ptr + o_p[:, None] + o_d[None, :], mask=m_k, other=0.0)
-    b_std = tl.load(kstd_ptr + o_p[:, None] + o_d[None, :], mask=m_k, other=0.0).to(tl.float32)
+    b_std = tl.load(kstd_ptr + o_p[:, None] + o_d[None, :], mask=m_k, other=0.0)
+    return b_mean, b_std
+
+
+@triton.jit
+def gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, pos_q, scale,
+             P: tl.constexpr, HAS_ALIBI: tl.constexpr,
+             USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """(mu, sigma) [BLOCK_G, BLOCK_M] float32 of the page score model from
+    loaded moments (``load_moments``; 0 on invalid pages)."""
     b_mu = _gdot(b_q, b_mean, USE_DOT, DOT_F32, PREC) * scale
     b_qf = b_q.to(tl.float32)
-    b_var = _gdot_f32(b_qf * b_qf, b_std * b_std, b_mean.dtype, USE_DOT, DOT_F32, PREC) * (scale * scale)
+    b_sf = b_std.to(tl.float32)
+    b_var = _gdot_f32(b_qf * b_qf, b_sf * b_sf, b_mean.dtype, USE_DOT, DOT_F32, PREC) * (scale * scale)
     if HAS_ALIBI:
         nf = n_tok.to(tl.float32)
         mean_pos = (o_m * P - pos_q).to(tl.float32) + (nf - 1.0) * 0.5
@@ -165,6 +172,17 @@ def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, pos_q, kvh
     b_mu = tl.where(m_v[None, :], b_mu, 0.0)
     b_sig = tl.where(m_v[None, :], tl.sqrt(tl.maximum(b_var, 0.0)), 0.0)
     return b_mu, b_sig
+
+
+@triton.jit
+def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, pos_q, kvh, scale,
+               stride_mp, stride_mh,
+               P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """(mu, sigma) [BLOCK_G, BLOCK_M] float32 of the page score model (0 on invalid pages)."""
+    b_mean, b_std = load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh, D, BLOCK_D)
+    return gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, pos_q, scale,
+                    P, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
 
 
 @triton.jit
