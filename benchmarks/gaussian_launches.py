@@ -1,9 +1,9 @@
 """Per-launch device times of the Gaussian selection (eager, PDL off; a script, not a test; GPU only):
 
     PYTHONPATH=.:benchmarks python3 benchmarks/gaussian_launches.py paper_b1_2m,paper_1m,gqa_512k \
-        [--variants "default;conv0:CONV_TOL=0.0;pf:STATS_PREFETCH=True,STATS_WARPS=8"]
+        [--variants "default;conv0:CONV_TOL=0.0;w2:STATS_TUNE=(True,64,2,None,32) MIN_CH=256"]
 
-Each variant is ``name[:KNOB=VALUE,...]``, knobs of ``entmaxkv.kernels.gaussian``
+Each variant is ``name[:KNOB=VALUE KNOB=VALUE ...]`` (no spaces inside a value), knobs of ``entmaxkv.kernels.gaussian``
 set for that variant only. "default" runs the module as it is; "conv0" never
 stops the tau_hat iteration early. Times are medians over ``--reps`` profiled calls.
 """
@@ -24,12 +24,12 @@ from entmaxkv.kernels import gaussian as gk
 
 
 def parse_variants(text: str):
-    """[(name, {knob: value})] from "name[:KNOB=VALUE,...];..."."""
+    """[(name, {knob: value})] from "name[:KNOB=VALUE KNOB=VALUE ...];..."."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(";"))):
         name, _, knobs = item.partition(":")
         sets = {}
-        for kv in filter(None, knobs.split(",")):
+        for kv in knobs.split():
             k, v = kv.split("=", 1)
             if not hasattr(gk, k):
                 raise ValueError(f"--variants: gaussian has no knob {k!r}")

@@ -316,24 +316,27 @@ def test_gaussian_select_short_stats_chunks(pooled, monkeypatch):
     (as on a GPU with few rows): the partial statistics still merge right."""
     gk = importlib.import_module("entmaxkv.kernels.gaussian")
     monkeypatch.setattr(gk, "MIN_CH", 16)
-    monkeypatch.setattr(gk, "CHUNK_FACTOR", 1024)
+    monkeypatch.setattr(gk, "STATS_TUNE", (True, 16, 4, None, 4096))
     cfg = gk.gauss_plan(113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
     assert cfg["NCS"] > cfg["NCH"]
     _check_gaussian_select(1.5, pooled, False, True)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
-@pytest.mark.parametrize("G,D,dtype", [(1, 24, torch.float16), (4, 16, torch.bfloat16)], ids=["mha-f16", "gqa4-bf16"])
-def test_gaussian_stats_blocks_prefetched(prefetch, G, D, dtype, monkeypatch):
-    """The stats launch with 16-page blocks (four per chunk), loading each
-    block's page ids and moments one block ahead or not: every block must be
-    reduced with its own pages (tau_hat against the oracle, pages by the
-    definition)."""
+@pytest.mark.parametrize("G,D,dtype,prefetch", [
+    (1, 24, torch.float16, False), (1, 24, torch.float16, True), (2, 40, torch.float32, True),
+    (4, 16, torch.bfloat16, False),
+], ids=["mha-f16", "mha-f16-prefetch", "g2-f32-prefetch", "gqa4-bf16-dot"])
+def test_gaussian_stats_blocks(G, D, dtype, prefetch, monkeypatch):
+    """The stats launch with 16-page blocks (several per chunk), on the
+    elementwise path loading each block's page ids and moments one block
+    ahead or not, and on the tl.dot path: every block must be reduced with
+    its own pages (tau_hat against the oracle, pages by the definition)."""
     gk = importlib.import_module("entmaxkv.kernels.gaussian")
-    monkeypatch.setattr(gk, "STATS_PREFETCH", prefetch)
-    monkeypatch.setattr(gk, "STATS_BLOCK_M", 16)
+    monkeypatch.setattr(gk, "STATS_TUNE", (prefetch, 16, 4, None, 1 << 16))
+    monkeypatch.setattr(gk, "DOT_STATS_TUNE", (16, 4, None, 1 << 16))
     monkeypatch.setattr(gk, "MIN_CH", 32)
-    monkeypatch.setattr(gk, "CHUNK_FACTOR", 1024)
+    cfg = gk.gauss_plan(113, G, D, dtype, dtype, rows=3, sms=4)
+    assert cfg["SNSUB"] >= 2 and cfg["SBLOCK_M"] == 16 and cfg["SPREFETCH"] == (prefetch and G < 3)
     _check_gaussian_select(1.5, False, False, True, H=3, G=G, D=D, dtype=dtype)
 
 

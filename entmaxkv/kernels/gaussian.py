@@ -71,17 +71,20 @@ CONV_TOL = 1e-5
 # ---------------------------------------------------------------------------
 
 
-# The stats launch: load each block's page ids and moments one block ahead
-# (in flight while the previous block is reduced), its warps, pipeline
-# stages (None: Triton's default) and pages per block (0: the scoring plan's).
-STATS_PREFETCH = False
-STATS_WARPS = 4
-STATS_STAGES = None
-STATS_BLOCK_M = 0
-
-# Programs per multiprocessor the stats launch (B*H x NCH) aims for: chunks
-# shrink (down to MIN_CH pages) until there are that many.
-CHUNK_FACTOR = 4
+# The stats launch, per scoring path (results/tune_stats.log):
+# * without tl.dot (fewer than 3 query heads per KV head):
+#   (prefetch, pages per block, warps, stages, warps per SM). prefetch loads
+#   each block's page ids and moments one block ahead, in flight while the
+#   previous block is reduced (Triton's pipeliner leaves these loads alone).
+#   Small one-warp programs, many per SM, read fastest: 1x2M 142 -> 109 us,
+#   8x1M ~545 -> 415 us (3.7-3.9 TB/s).
+# * with tl.dot: (pages per block, warps, stages, warps per SM); Triton
+#   pipelines these loads itself (a hand prefetch measured 2x slower);
+#   6 stages: GQA 4x512k 189 -> 166 us.
+# Pages per block 0: the scoring plan's; stages None: Triton's default.
+# Chunks shrink (down to MIN_CH pages) until the launch holds the warps per SM.
+STATS_TUNE = (True, 32, 1, None, 32)
+DOT_STATS_TUNE = (32, 2, 6, 16)
 MIN_CH = 128
 
 
@@ -91,14 +94,27 @@ def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms
     when its ``rows`` (B*H) alone would leave multiprocessors idle: 4 x 32k
     GQA rows are 32 rows of 2048 pages, one chunk each kept 100 of 132 SMs
     idle (68 us; 20 us at 256 programs). The iteration launches have HQ/H
-    times more rows and measured faster with the long chunks."""
+    times more rows and measured faster with the long chunks. The stats
+    launch's block (SBLOCK_M pages, SNSUB blocks per chunk), warps, stages
+    and prefetch come from STATS_TUNE / DOT_STATS_TUNE."""
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     block_m = cfg["BLOCK_M"]
-    ch = max(block_m, min(256 if interpreting() else 2048, next_pow2(M)))
+    if cfg["USE_DOT"]:
+        prefetch, (sbm, warps, stages, per_sm) = False, DOT_STATS_TUNE
+    else:
+        prefetch, sbm, warps, stages, per_sm = STATS_TUNE
+    sbm = sbm or block_m
+    if stages is not None:  # pipelined k_mean / k_std blocks within 128 KB of shared memory
+        per_stage = 2 * sbm * cfg["BLOCK_D"] * cache_dtype.itemsize
+        stages = max(2, min(stages, (128 << 10) // per_stage))
+    if interpreting():
+        sbm = min(sbm, 64)
+    ch = max(block_m, sbm, min(256 if interpreting() else 2048, next_pow2(M)))
     chs = ch
-    while chs > max(block_m, MIN_CH) and rows * cdiv(M, chs) < CHUNK_FACTOR * sms:
+    while chs > max(sbm, MIN_CH) and rows * cdiv(M, chs) * warps < per_sm * sms:
         chs //= 2
-    cfg.update(CH=ch, NCH=cdiv(M, ch), CHS=chs, NSUBS=chs // block_m, NCS=cdiv(M, chs))
+    cfg.update(CH=ch, NCH=cdiv(M, ch), CHS=chs, NCS=cdiv(M, chs), SBLOCK_M=sbm, SNSUB=chs // sbm,
+               SWARPS=warps, SSTAGES=stages, SPREFETCH=prefetch)
     return cfg
 
 
@@ -324,11 +340,14 @@ def _stats_kernel(
     s_2 = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
     a_lo = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
     a_hi = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
-    o_m = i_c * (NSUB * BLOCK_M) + tl.arange(0, BLOCK_M)
+    # (page offsets are recomputed from j, not carried through the loop: a
+    # carried offset measured slower, 232 vs 200 us at 1x2M without prefetch)
+    o_0 = i_c * (NSUB * BLOCK_M) + tl.arange(0, BLOCK_M)
     if PREFETCH:  # the first block's moments; later blocks' are loaded one block ahead
-        m_v, n_tok, b_mean, b_std = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh,
+        m_v, n_tok, b_mean, b_std = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_0, kvh,
                                                  stride_mp, stride_mh, M, True, P, D, BLOCK_D)
     for j in range(NSUB):
+        o_m = o_0 + j * BLOCK_M
         if PREFETCH:  # the next block's page ids and moments, in flight while this block is reduced
             m_vx, n_tokx, b_meanx, b_stdx = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m + BLOCK_M,
                                                          kvh, stride_mp, stride_mh, M, j + 1 < NSUB,
@@ -351,7 +370,6 @@ def _stats_kernel(
         s_2 += w[None, :] * (dev * dev + b_sig * b_sig)
         a_lo = tl.maximum(a_lo, tl.where(m_ok, b_mu, float("-inf")))
         a_hi = tl.maximum(a_hi, tl.where(m_ok, b_mu + 12.0 * b_sig, float("-inf")))
-        o_m += BLOCK_M
         if PREFETCH:
             m_v, n_tok, b_mean, b_std = m_vx, n_tokx, b_meanx, b_stdx
     c_w = tl.sum(s_w, axis=0)
@@ -664,18 +682,17 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     sg = torch.empty_like(mu)
     opts = launch_opts(dev)
     NC = cfg["NCS"]
-    bms = min(STATS_BLOCK_M or cfg["BLOCK_M"], cfg["CHS"])
-    stages = {} if STATS_STAGES is None else dict(num_stages=STATS_STAGES)
+    stages = {} if cfg["SSTAGES"] is None else dict(num_stages=cfg["SSTAGES"])
     st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
     _stats_kernel[(B * H, NC)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
         mu, sg, st,
         float(scale), am1, q.stride(0), q.stride(1), smp, smh,
         HQ, G, M,
-        H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=bms,
-        NSUB=cfg["CHS"] // bms, HAS_ALIBI=slopes is not None,
-        USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"], PREFETCH=STATS_PREFETCH,
-        num_warps=STATS_WARPS, **stages, **opts,
+        H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["SBLOCK_M"],
+        NSUB=cfg["SNSUB"], HAS_ALIBI=slopes is not None,
+        USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"], PREFETCH=cfg["SPREFETCH"],
+        num_warps=cfg["SWARPS"], **stages, **opts,
     )
     nit = 0 if policy.pooled else NIT
     state = torch.empty(max(nit, 1), R, 4, dtype=torch.float64, device=dev)
