@@ -86,17 +86,32 @@ CONV_TOL = 1e-5
 STATS_TUNE = (True, 32, 1, None, 32)
 DOT_STATS_TUNE = (32, 2, 6, 16)
 MIN_CH = 128
+# Pages per program of the iteration and selection launches: the longest
+# chunk (up to MAX_CH) that still gives ITER_PER_SM programs per SM. Every
+# program of an iteration launch merges all NCH partials of its row in its
+# float64 prologue, so fewer, longer chunks pay less (8x1M: 4096 pages
+# 646 -> 616 us for the whole selection) until the SMs run short of
+# programs (4x32k GQA, 128 rows: 2048 pages 36.7 us, 1024 pages 32.8 us;
+# results/tune_iter.log). Selection warps: 2 for one head per row (8x1M
+# 59 -> 51 us), 4 for a KV group (GQA: 12 vs 15 us).
+MAX_CH = 4096
+ITER_PER_SM = 1
+ITER_WARPS = 4
+SELECT_WARPS = (2, 4)
 
 
 def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms: int = 1) -> dict:
-    """Chunks: CH pages per program of the iteration and selection launches
-    (up to 2048), CHS <= CH pages per program of the stats launch, smaller
-    when its ``rows`` (B*H) alone would leave multiprocessors idle: 4 x 32k
-    GQA rows are 32 rows of 2048 pages, one chunk each kept 100 of 132 SMs
-    idle (68 us; 20 us at 256 programs). The iteration launches have HQ/H
-    times more rows and measured faster with the long chunks. The stats
-    launch's block (SBLOCK_M pages, SNSUB blocks per chunk), warps, stages
-    and prefetch come from STATS_TUNE / DOT_STATS_TUNE."""
+    """Launch plan for ``rows`` = B*H KV rows of NG query heads, M pages.
+
+    CH pages per program of the iteration and selection launches: up to
+    MAX_CH, halved (not below 1024) while the rows * NG query-head rows
+    would give fewer than ITER_PER_SM programs per SM. CHS <= CH pages per
+    program of the stats launch, halved (not below MIN_CH) until its
+    programs hold the tuned warps per SM: 4 x 32k GQA rows are 32 rows of
+    2048 pages, one chunk each kept 100 of 132 SMs idle (68 us; 20 us at
+    256 programs). The stats launch's block (SBLOCK_M pages, SNSUB blocks
+    per chunk), warps, stages and prefetch come from STATS_TUNE /
+    DOT_STATS_TUNE."""
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     block_m = cfg["BLOCK_M"]
     if cfg["USE_DOT"]:
@@ -109,7 +124,9 @@ def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms
         stages = max(2, min(stages, (128 << 10) // per_stage))
     if interpreting():
         sbm = min(sbm, 64)
-    ch = max(block_m, sbm, min(256 if interpreting() else 2048, next_pow2(M)))
+    ch = max(block_m, sbm, min(256 if interpreting() else MAX_CH, next_pow2(M)))
+    while ch > max(block_m, sbm, 1024) and rows * NG * cdiv(M, ch) < ITER_PER_SM * sms:
+        ch //= 2
     chs = ch
     while chs > max(sbm, MIN_CH) and rows * cdiv(M, chs) * warps < per_sm * sms:
         chs //= 2
@@ -502,7 +519,7 @@ def _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau_b
     cb = tau_b / am1
     cb_hi = cb.to(tl.float32)
     cb_lo = (cb - cb_hi.to(tl.float64)).to(tl.float32)
-    # float32 terms, summed per lane over the chunk (CH / BLOCK <= 2 terms on
+    # float32 terms, summed per lane over the chunk (CH / BLOCK <= 4 terms on
     # the GPU), then across lanes and chunks in float64
     # pages holding tokens, rounded up to 4 so that the mask allows vector loads
     # (the stats kernel wrote mu = sigma = 0 on every page past the length)
@@ -708,7 +725,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
             ids, cache.seq_lens, mu, sg, part, state,
             it, R, M, am1, beta,
             NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
-            BETA_KIND=bk, FIRST=it == 0, CONV=float(CONV_TOL), num_warps=4, **opts,
+            BETA_KIND=bk, FIRST=it == 0, CONV=float(CONV_TOL), num_warps=ITER_WARPS, **opts,
         )
     pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
@@ -718,6 +735,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         pages, counts, tau_hat,
         R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
         NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
-        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), num_warps=4, **opts,
+        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), num_warps=SELECT_WARPS[NG > 1],
+        **opts,
     )
     return Selection(pages, counts, tau_hat)
