@@ -312,11 +312,14 @@ def test_gaussian_select(alpha, pooled, per_q, slopes):
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["iterated", "pooled"])
 def test_gaussian_select_short_stats_chunks(pooled, monkeypatch):
-    """The stats launch cut into more chunks than the iteration launches
-    (as on a GPU with few rows): the partial statistics still merge right."""
+    """The stats and selection launches cut into more chunks than the
+    iteration launches (as on a GPU with few rows, and as SEL_CH does on
+    long rows): the partial statistics still merge right and every page is
+    tested once."""
     gk = importlib.import_module("entmaxkv.kernels.gaussian")
     monkeypatch.setattr(gk, "MIN_CH", 16)
     monkeypatch.setattr(gk, "STATS_TUNE", (True, 16, 4, None, 4096))
+    monkeypatch.setattr(gk, "SEL_CH", 32)  # and selection chunks shorter than the partials' chunks
     cfg = gk.gauss_plan(113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
     assert cfg["NCS"] > cfg["NCH"]
     _check_gaussian_select(1.5, pooled, False, True)

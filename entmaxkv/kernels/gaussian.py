@@ -92,12 +92,14 @@ MIN_CH = 128
 # float64 prologue, so fewer, longer chunks pay less (8x1M: 4096 pages
 # 646 -> 616 us for the whole selection) until the SMs run short of
 # programs (4x32k GQA, 128 rows: 2048 pages 36.7 us, 1024 pages 32.8 us;
-# results/tune_iter.log). Selection warps: 2 for one head per row (8x1M
-# 59 -> 51 us), 4 for a KV group (GQA: 12 vs 15 us).
+# results/tune_iter.log). The selection launch, whose programs merge no
+# partials, reads chunks of at most SEL_CH pages (1024: 8x1M 59 -> 47 us,
+# 4x32k GQA 7.0 -> 4.6 us against 2048; 4096 was slower everywhere).
 MAX_CH = 4096
 ITER_PER_SM = 1
 ITER_WARPS = 4
-SELECT_WARPS = (2, 4)
+SEL_CH = 1024
+SELECT_WARPS = 4
 
 
 def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms: int = 1) -> dict:
@@ -730,12 +732,13 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
     tau_hat = torch.empty(B, HQ, dtype=torch.float32, device=dev)
-    _select_kernel[(B * S, NCH)](
+    sel_ch = max(16, min(CH, SEL_CH))  # its page chunks; NCH still counts the partials
+    _select_kernel[(B * S, cdiv(M, sel_ch))](
         ids, cache.seq_lens, mu, sg, part, state, z_table(policy.q_max, P, dev),
         pages, counts, tau_hat,
         R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
-        NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=max(16, min(block, 4096 // next_pow2(NG))),
-        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), num_warps=SELECT_WARPS[NG > 1],
+        NCH=NCH, NCH_P2=nch_p2, CH=sel_ch, BLOCK=max(16, min(sel_ch, 1024, 4096 // next_pow2(NG))),
+        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), num_warps=SELECT_WARPS,
         **opts,
     )
     return Selection(pages, counts, tau_hat)
