@@ -12,8 +12,9 @@ closed forms for beta = 1, 2, 3 (alpha = 2, 1.5, 4/3). Page p is kept when
 selection row, z_n = Phi^{-1}(q_max^(1/n)).
 
 Launches (no host synchronisation, fixed count):
-1. ``_stats_kernel`` (B*H x NCS chunks of CHS <= CH pages): mu, sigma of every page and head (one read
-   of k_mean / k_std) plus per-chunk partials: token-weighted sums for the
+1. ``_stats_kernel`` (B*H x NCS chunks of CHS <= CH pages): mu, sigma of
+   every page and head (one read of k_mean / k_std, optionally prefetched
+   one block ahead: STATS_TUNE) plus per-chunk partials: token-weighted sums for the
    pooled Gaussian (shifted sums, accumulated per lane, one reduction per
    program) and the maxima that bracket tau_hat.
 2. ``_start_kernel`` (B*HQ): the chunk partials merged in float64 into the
@@ -26,8 +27,9 @@ Launches (no host synchronisation, fixed count):
    data, same order), then write their chunk's sums at the new iterate. Once
    a step moves tau by <= CONV_TOL (relative) the solve is final and the
    launches skip their pages. Skipped when pooled.
-4. ``_select_kernel`` (B*S x NCH): final iterate, threshold test, forced
-   pages, compaction with one atomic per chunk (pages unsorted).
+4. ``_select_kernel`` (B*S x chunks of min(CH, SEL_CH) pages): final
+   iterate, threshold test, forced pages, compaction with one atomic per
+   block (pages unsorted).
 
 Precision of the per-page terms (launch 3, the hot loop: up to NIT x B*HQ*M pages).
 They are float32, summed per lane in float32 over at most CH / BLOCK pages,
