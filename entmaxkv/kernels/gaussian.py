@@ -323,12 +323,15 @@ def _pooled_tau(sw, mn, sq, am1, beta, ITERS: tl.constexpr, BETA_KIND: tl.conste
 
 @triton.jit
 def _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh, stride_mp, stride_mh, M, live,
-                 P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                 P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):
     """Pages o_m's valid mask, token counts and loaded k_mean / k_std (none
-    valid unless ``live``: the prefetch past a chunk's last block)."""
+    valid unless ``live``: the prefetch past a chunk's last block). Loaded
+    one block ahead, k_std stays in its storage dtype while in flight;
+    loaded for use, it is converted at the load, as in ``page_gauss``."""
     phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
     m_v = m_v & live
-    b_mean, b_std = load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh, D, BLOCK_D)
+    b_mean, b_std = load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh, D, BLOCK_D,
+                                 not PREFETCH)
     return m_v, n_tok, b_mean, b_std
 
 
@@ -362,20 +365,21 @@ def _stats_kernel(
     a_lo = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
     a_hi = tl.full([BLOCK_G, BLOCK_M], float("-inf"), tl.float32)
     # (page offsets are recomputed from j, not carried through the loop: a
-    # carried offset measured slower, 232 vs 200 us at 1x2M without prefetch)
+    # carried offset measured slower, 232 vs 200 us at 1x2M without prefetch
+    # and with k_std converted at its use)
     o_0 = i_c * (NSUB * BLOCK_M) + tl.arange(0, BLOCK_M)
     if PREFETCH:  # the first block's moments; later blocks' are loaded one block ahead
         m_v, n_tok, b_mean, b_std = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_0, kvh,
-                                                 stride_mp, stride_mh, M, True, P, D, BLOCK_D)
+                                                 stride_mp, stride_mh, M, True, P, D, BLOCK_D, PREFETCH)
     for j in range(NSUB):
         o_m = o_0 + j * BLOCK_M
         if PREFETCH:  # the next block's page ids and moments, in flight while this block is reduced
             m_vx, n_tokx, b_meanx, b_stdx = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m + BLOCK_M,
                                                          kvh, stride_mp, stride_mh, M, j + 1 < NSUB,
-                                                         P, D, BLOCK_D)
+                                                         P, D, BLOCK_D, PREFETCH)
         else:
             m_v, n_tok, b_mean, b_std = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh,
-                                                     stride_mp, stride_mh, M, True, P, D, BLOCK_D)
+                                                     stride_mp, stride_mh, M, True, P, D, BLOCK_D, PREFETCH)
         b_mu, b_sig = gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, n - 1, scale,
                                P, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
         o_out = o_row[:, None] * M + o_m[None, :]
