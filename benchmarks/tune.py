@@ -31,17 +31,29 @@ def main(argv=None):
     ap.add_argument("--alphas", default="1.0,1.5")
     ap.add_argument("--factors", default="4,8")
     ap.add_argument("--newton", default="1")
+    ap.add_argument("--lb-modes", default=None, metavar="M,M",
+                    help="attention.LB_MODE values (0, 1) to time on both paths (entmax; default: the module's)")
     ap.add_argument("--sparse", action="store_true", help="time attend over a shuffled full page list")
     ap.add_argument("--pages", type=int, default=0,
                     help="with --sparse: keep only the first N pages of each shuffled list (a top-k-sized selection)")
     ap.add_argument("--variants", default=None, metavar="BT,WARPS,STAGES;...",
                     help="(BLOCK_T, num_warps, num_stages) triples to time instead of the built-in list")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="override a knob of entmaxkv.kernels.MODULE first, e.g. attention.PREFETCH_PAGES=False")
     args = ap.parse_args(argv)
+    import importlib
+
     from entmaxkv.kernels import attention as A
+    for item in args.set:
+        target, value = item.split("=", 1)
+        mod, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(f"entmaxkv.kernels.{mod}"), name, eval(value))  # noqa: S307
+        print(f"# {target} = {value}")
     from entmaxkv.kernels.select import select_full
     from entmaxkv.types import Selection
 
-    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON)
+    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE)
+    lb_modes = [int(x) for x in args.lb_modes.split(",")] if args.lb_modes else [None]
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     alphas = [float(a) for a in args.alphas.split(",")]
@@ -69,10 +81,12 @@ def main(argv=None):
             for factor in (float(f) for f in args.factors.split(",")):
                 A.SPLIT_FACTOR = factor  # programs per SM (the tl.dot entmax pass: exactly, rounded down)
                 A.DOT_ENTMAX_PER_SM = factor
-                for newton in (int(x) for x in args.newton.split(",")):
-                    if alpha == 1.0 and newton != int(args.newton.split(",")[0]):
+                for newton, lb_mode in ((nw, lm) for nw in (int(x) for x in args.newton.split(","))
+                                        for lm in lb_modes):
+                    if alpha == 1.0 and (newton, lb_mode) != (int(args.newton.split(",")[0]), lb_modes[0]):
                         continue  # softmax has no lower bound
                     A.TILE_NEWTON = newton
+                    A.LB_MODE = defaults[3] if lb_mode is None else {False: lb_mode, True: lb_mode}
                     for v in variants:
                         A.TUNE.clear()
                         A.TUNE[(ng, D, alpha == 1.0)] = v
@@ -86,19 +100,20 @@ def main(argv=None):
                         except Exception as exc:  # noqa: BLE001
                             ms = float("nan")
                             print(cname, alpha, v, "ERROR", str(exc)[:200])
-                        out.append((cname, alpha, factor, newton, v, ms))
-                        print(f"{cname:11s} a{alpha} f{factor:g} nw{newton} {v} {ms:.4f}", flush=True)
+                        out.append((cname, alpha, factor, (newton, lb_mode), v, ms))
+                        print(f"{cname:11s} a{alpha} f{factor:g} nw{newton} lb{lb_mode} {v} {ms:.4f}", flush=True)
         del cache, ids, q, k4, v4
         torch.cuda.empty_cache()
     A.TUNE.clear()
-    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON = defaults
+    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE = defaults
     print("\nbest per (config, alpha):")
     for cname in args.configs.split(","):
         for alpha in alphas:
             rows = [r for r in out if r[0] == cname and r[1] == alpha and r[5] == r[5]]
             rows.sort(key=lambda r: r[5])
             for r in rows[:3]:
-                print(f"  {r[0]:11s} a{r[1]} factor {r[2]:g} newton {r[3]} (BT, warps, stages) {r[4]}: {r[5]:.4f} ms")
+                print(f"  {r[0]:11s} a{r[1]} factor {r[2]:g} (newton, lb mode) {r[3]} (BT, warps, stages) {r[4]}: "
+                      f"{r[5]:.4f} ms")
 
 
 if __name__ == "__main__":

@@ -123,6 +123,35 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
     assert (tau.double() - rtau).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("lb_mode", [0, 1], ids=["three-reductions", "fused"])
+@pytest.mark.parametrize("alpha", [1.5, 1.25, 3.0])
+@pytest.mark.parametrize("G", [1, 4])
+def test_entmax_bound_update_modes(lb_mode, alpha, G, monkeypatch):
+    """Both ways pass 1 raises its lower bound (LB_MODE), on both paths, keep the result exact,
+    dense and through a page list: one split per row of ~40 tiles, with a few
+    large scores late in the row (the bound jumps) over nearly flat ones (many
+    tokens in the support). alpha 3 takes no Newton step (the max only)."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "LB_MODE", {False: lb_mode, True: lb_mode})
+    monkeypatch.setattr(A, "SPLIT_FACTOR", 1)
+    monkeypatch.setattr(A, "DOT_ENTMAX_PER_SM", 1)
+    cache, ids, q, sl = setup([1250, 77], 2, G, 16, 8, torch.float32, seed=21, key_scale=0.05, slopes=True)
+    slot = cache.block_table[int(ids[0]), 1100 // 8]  # page of token 1100: its keys along the queries
+    cache.k_pages[slot, :, :3] = q[0].view(2, G, 16).mean(1)[:, None].to(cache.dtype) * 2
+    out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.3, slopes=sl)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert (tau.double() - rtau).abs().max() < 1e-5
+    pages = full.pages.clone()  # the kept pages of each row in reverse order
+    for b, c in enumerate(full.counts[:, 0].tolist()):
+        pages[b, :, :c] = full.pages[b, :, :c].flip(-1)
+    sel = Selection(pages, full.counts)
+    out2, tau2 = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
+    assert rel_err(out2, ref) < TOL[torch.float32]
+    assert (tau2.double() - rtau).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 3.0])
 @pytest.mark.parametrize("per_q", [False, True])
 @pytest.mark.parametrize("variant", ["default", "memory-solve-no-prefetch"])

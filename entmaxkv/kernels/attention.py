@@ -65,6 +65,17 @@ NEWTON_MAX = 64
 # tile: a conditional update inside the loop measured slower, it defeats the
 # software pipelining of the K loads).
 TILE_NEWTON = 1
+# How pass 1 raises its bound after a tile (one Newton step at most), by
+# path (True: tl.dot). 0: the max, then the step's two sums, three
+# reductions; 1: one fused reduction (the max and both sums), the step
+# starting from the previous tile's max - 1, which is still <= tau of the
+# slots. Measured on the H200 (results/tune_bound.log, whole dense / page-list
+# entmax attention): the one-head path gains with 1 (paper 8 x 128k dense
+# 0.692 -> 0.671 ms, page list 0.501 -> 0.475 ms); the tl.dot path loses
+# (GQA 4 x 32k 0.143 -> 0.153 ms). Testing a tile against the bound from
+# before it, and skipping the stores of tiles without candidates, measured
+# slower on both paths.
+LB_MODE = {False: 1, True: 0}
 # _vacc_kernel (block of candidates, warps, [block, D] accumulator) by head
 # dim, measured on the H200 (benchmarks/results/profile.log): d <= 64 (paper
 # config) 128 x 4 warps with a [block, D] accumulator, 8.4 us at 8 x 128k;
@@ -86,16 +97,30 @@ VACC_LARGE_D = (32, 1, False)
 # Measured on the H200 (results/tune_prefetch.log): through a page list it
 # pays on every path (paper 8 x 128k certified 1045 -> 755 us, Gaussian
 # 403 -> 328 us; GQA 4 x 32k certified 222 -> 195 us), and for the dense
-# one-head softmax (790 -> 765 us); it costs the dense entmax passes (paper
-# 8 x 128k 693 -> 977 us, held registers) and the dense tl.dot softmax (GQA
-# 4 x 32k 162 -> 184 us), which keep the loads at the top of the tile.
+# one-head softmax (790 -> 765 us); it costs the dense one-head entmax pass
+# (paper 8 x 128k 693 -> 977 us, held registers), which keeps the loads at
+# the top of the tile. (The dense tl.dot passes: DENSE_PREFETCH below.)
 # False: never.
 PREFETCH_PAGES = True
+# Walks over every page (no page list) prefetch by path, keyed (tl.dot path,
+# softmax). Without the prefetch, a tile's K address hangs on a block-table
+# load of the same iteration, and Triton's pipeliner splits the stages
+# between the two loads (sm_90 TTGIR of the dense tl.dot entmax pass: one K
+# buffer at num_stages 4; with the prefetch, two at 3 stages). Measured
+# (results/tune_bound.log): dense tl.dot entmax at GQA 4 x 32k 0.143 ->
+# 0.140 ms, 4 x 128k unchanged (0.449 / 0.452 ms); dense tl.dot softmax, with
+# its own blocks (DOT_SOFTMAX_DENSE_FACTOR), 0.148 -> 0.143 ms at 4 x 32k.
+DENSE_PREFETCH = {(False, True): True, (False, False): False, (True, True): True, (True, False): True}
 # Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
 TUNE: dict = {}
 # Programs per multiprocessor the split count aims for (may be fractional:
 # int(SPLIT_FACTOR * SMs) programs in all, rounded up to whole splits per row).
 SPLIT_FACTOR = 8
+# The dense tl.dot softmax pass (32-token tiles, 2 warps, 4 stages, page ids
+# prefetched) aims for this many (results/tune_bound.log: GQA 4 x 32k / 4 x
+# 512k 0.148 / 1.953 ms with 32 x 4 warps x 6 stages, 8 per SM, without the
+# prefetch; 0.143 / 1.936 ms with these).
+DOT_SOFTMAX_DENSE_FACTOR = 3.88
 # The tl.dot entmax pass instead runs exactly this many programs per SM
 # (rounded down to whole splits per row): its 4-stage K pipeline takes 128 KB
 # of shared memory, one program per SM, so a partial last wave costs a whole
@@ -117,7 +142,8 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
     # (over a selection's page list too), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps
-    # x 6 stages, entmax (K only) 128 x 4 warps x 4 stages (3 over a page list) at 2 programs per SM.
+    # x 6 stages (dense: 32 x 2 warps x 4 stages, 3.88 per SM), entmax (K only) 128 x 4 warps x 3
+    # stages at 2 programs per SM.
     # Deep pipelines of small tiles
     # win there; the stage count is capped so the buffers stay within
     # ~160 KB of shared memory for any head dim and dtype.
@@ -126,11 +152,13 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     if use_dot:
         block_g = max(16, next_pow2(NG))
         block_d = max(16, block_d)
+        warps = 4
         if softmax:
             block_t, depth = max(16, min(32, 4096 // block_d)), 6
-        else:  # (3 stages through a page list: GQA 4 x 32k, every page, 0.145 -> 0.138 ms)
-            block_t, depth = max(16, min(128, 16384 // block_d)), 4 if dense else 3
-        warps = 4
+            if dense:  # with the page-id prefetch (DENSE_PREFETCH)
+                depth, warps = 4, 2
+        else:  # (3 stages through a page list, and with the prefetch dense: GQA 4 x 32k 0.145 -> 0.138 ms)
+            block_t, depth = max(16, min(128, 16384 // block_d)), 3
         stage_bytes = block_t * block_d * itemsize * (2 if softmax else 1)
         stages = max(2, min(depth, (160 * 1024) // stage_bytes))
     else:
@@ -142,7 +170,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
         stages = 3
     rows = B * S
-    factor = SPLIT_FACTOR
+    factor = DOT_SOFTMAX_DENSE_FACTOR if (use_dot and softmax and dense) else SPLIT_FACTOR
     if (not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
             and (softmax or rows < num_sms(device))):
         (block_t, warps, stages), factor = SMALL_SEL, SMALL_SEL_FACTOR
@@ -157,7 +185,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         want = cdiv(max(1, int(factor * num_sms(device))), rows)
     tokens = W * P
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
-    prefetch = PREFETCH_PAGES and (not dense or (softmax and not use_dot))
+    prefetch = PREFETCH_PAGES and (not dense or DENSE_PREFETCH[(use_dot, softmax)])
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t,
                 NSPLIT=nsplit, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
 
@@ -227,6 +255,45 @@ def _lb_update_1d(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constex
 
 
 @triton.jit
+def _max_sum2(m0, a0, b0, m1, a1, b1):
+    return tl.maximum(m0, m1), a0 + a1, b0 + b1
+
+
+@triton.jit
+def _lb_step(b_top, b_lb, b_mx, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, AXIS: tl.constexpr):
+    """_lb_update with one reduction: returns (lb, max of b_top) along AXIS.
+
+    The Newton step (NEWTON 0 or 1) starts from max(lb, b_mx - 1), b_mx the
+    max of an *earlier* b_top. Slots only grow, so that start is still <= tau
+    over the current slots, and the step stays valid; the max of the current
+    slots is reduced together with the step's two sums. Rows with no start
+    yet (b_mx = -inf and lb = -inf) only take the max.
+    """
+    b_t = tl.maximum(b_lb, b_mx - 1.0)
+    if NEWTON == 0:
+        b_m = tl.max(b_top, axis=AXIS)
+        return tl.maximum(b_t, b_m - 1.0), b_m
+    else:
+        ok = b_t > float("-inf")
+        b_ts = tl.where(ok, b_t, 0.0)
+        b_te = tl.expand_dims(b_ts, AXIS)
+        u0, u1 = entmax_pows(tl.where(b_top > b_te, b_top - b_te, 0.0), beta, BETA_KIND)
+        b_m, s0, s1 = tl.reduce((b_top, u0, u1), AXIS, _max_sum2)
+        b_t = tl.maximum(tl.where(ok, _newton_left(b_ts, s0, s1, beta), b_t), b_m - 1.0)
+        return tl.maximum(b_lb, b_t), b_m
+
+
+@triton.jit
+def _stage(cx_ptr, ci_ptr, o_c, b_nc, m_c, b_x, b_tok, o_tt, BLOCK_T: tl.constexpr):
+    """Stage the candidates m_c of a tile: slot t's j-th candidate at row j,
+    column t of its region (o_c); returns the slot counts b_nc + m_c."""
+    p_c = o_c + b_nc.to(tl.int64) * BLOCK_T + o_tt
+    tl.store(cx_ptr + p_c, b_x, mask=m_c)
+    tl.store(ci_ptr + p_c, tl.broadcast_to(b_tok, b_x.shape), mask=m_c)
+    return b_nc + m_c.to(tl.int32)
+
+
+@triton.jit
 def _compact(cx_ptr, ci_ptr, o_c, b_nc, R: tl.constexpr, BLOCK_T: tl.constexpr):
     """Compact R staged candidate regions in place; returns their lengths [R].
 
@@ -287,7 +354,7 @@ def _split_kernel(
     P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    BETA_KIND: tl.constexpr, NEWTON: tl.constexpr,
+    BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, LB_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -342,6 +409,7 @@ def _split_kernel(
             b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         else:
             b_lb = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            b_mx = tl.full([BLOCK_G], float("-inf"), tl.float32)  # max of b_top (LB_MODE 1)
             b_top = tl.full([BLOCK_G, BLOCK_T], float("-inf"), tl.float32)
             b_nc = tl.zeros([BLOCK_G, BLOCK_T], tl.int32)
             o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s) * CAP
@@ -356,6 +424,7 @@ def _split_kernel(
             b_acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         else:
             b_lb = tl.full([], float("-inf"), tl.float32)
+            b_mx = tl.full([], float("-inf"), tl.float32)
             b_top = tl.full([BLOCK_T], float("-inf"), tl.float32)
             b_nc = tl.zeros([BLOCK_T], tl.int32)
             o_c = ((i_b * HQ + h0).to(tl.int64) * NSPLIT + i_s) * CAP
@@ -391,13 +460,13 @@ def _split_kernel(
             else:
                 b_x = b_s * am1
                 b_top = tl.maximum(b_top, b_x)
-                b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
+                if LB_MODE == 0:
+                    b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
+                else:
+                    b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, beta, BETA_KIND, NEWTON, 1)
                 m_c = b_x > b_lb[:, None]  # only these can be in the support
-                p_c = o_c[:, None] + b_nc.to(tl.int64) * BLOCK_T + o_tt[None, :]
-                tl.store(cx_ptr + p_c, b_x, mask=m_c)
-                b_tok = (phys * P + i_row).to(tl.int32)
-                tl.store(ci_ptr + p_c, tl.broadcast_to(b_tok[None, :], [BLOCK_G, BLOCK_T]), mask=m_c)
-                b_nc += m_c.to(tl.int32)
+                b_nc = _stage(cx_ptr, ci_ptr, o_c[:, None], b_nc, m_c, b_x, (phys * P + i_row).to(tl.int32)[None, :],
+                              o_tt[None, :], BLOCK_T)
         else:
             # ---- one head: per-slot running state, no per-tile reduction
             b_s = tl.sum(b_q[None, :] * b_k.to(tl.float32), axis=1) * scale
@@ -417,12 +486,12 @@ def _split_kernel(
             else:
                 b_x = b_s * am1
                 b_top = tl.maximum(b_top, b_x)  # as in the tl.dot branch
-                b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
+                if LB_MODE == 0:
+                    b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
+                else:
+                    b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, beta, BETA_KIND, NEWTON, 0)
                 m_c = b_x > b_lb
-                p_c = o_c + b_nc.to(tl.int64) * BLOCK_T + o_tt
-                tl.store(cx_ptr + p_c, b_x, mask=m_c)
-                tl.store(ci_ptr + p_c, (phys * P + i_row).to(tl.int32), mask=m_c)
-                b_nc += m_c.to(tl.int32)
+                b_nc = _stage(cx_ptr, ci_ptr, o_c, b_nc, m_c, b_x, (phys * P + i_row).to(tl.int32), o_tt, BLOCK_T)
         if PREFETCH:
             i_row, pos, m_tok, phys = i_row_nx, pos_nx, m_tok_nx, phys_nx
 
@@ -809,6 +878,7 @@ def _run(
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
+    lb_mode = LB_MODE[cfg["USE_DOT"]] if newton <= 1 else 0  # the fused step takes one Newton step at most
     opts = launch_opts(dev)
 
     _split_kernel[(B * S, NSPLIT)](
@@ -823,7 +893,7 @@ def _run(
         S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
-        BETA_KIND=bk, NEWTON=newton,
+        BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
