@@ -32,7 +32,7 @@ def main(argv=None):
     ap.add_argument("--factors", default="4,8")
     ap.add_argument("--newton", default="1")
     ap.add_argument("--lb-modes", default=None, metavar="M,M",
-                    help="attention.LB_MODE values (0, 1) to time on both paths (entmax; default: the module's)")
+                    help="attention.LB_MODE values (0, 1) to time on every path (entmax; default: the module's)")
     ap.add_argument("--sparse", action="store_true", help="time attend over a shuffled full page list")
     ap.add_argument("--pages", type=int, default=0,
                     help="with --sparse: keep only the first N pages of each shuffled list (a top-k-sized selection)")
@@ -86,7 +86,7 @@ def main(argv=None):
                     if alpha == 1.0 and (newton, lb_mode) != (int(args.newton.split(",")[0]), lb_modes[0]):
                         continue  # softmax has no lower bound
                     A.TILE_NEWTON = newton
-                    A.LB_MODE = defaults[3] if lb_mode is None else {False: lb_mode, True: lb_mode}
+                    A.LB_MODE = defaults[3] if lb_mode is None else dict.fromkeys(defaults[3], lb_mode)
                     for v in variants:
                         A.TUNE.clear()
                         A.TUNE[(ng, D, alpha == 1.0)] = v

@@ -125,14 +125,17 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
 
 @pytest.mark.parametrize("lb_mode", [0, 1], ids=["three-reductions", "fused"])
 @pytest.mark.parametrize("alpha", [1.5, 1.25, 3.0])
-@pytest.mark.parametrize("G", [1, 4])
-def test_entmax_bound_update_modes(lb_mode, alpha, G, monkeypatch):
+@pytest.mark.parametrize("G,fold", [(1, True), (4, True), (4, False)], ids=["g1", "g4-folded", "g4-zero-rows"])
+def test_entmax_bound_update_modes(lb_mode, alpha, G, fold, monkeypatch):
     """Both ways pass 1 raises its lower bound (LB_MODE), on both paths, keep the result exact,
     dense and through a page list: one split per row of ~40 tiles, with a few
     large scores late in the row (the bound jumps) over nearly flat ones (many
-    tokens in the support). alpha 3 takes no Newton step (the max only)."""
+    tokens in the support). alpha 3 takes no Newton step (the max only). With
+    G = 4 the tl.dot rows repeat the heads and are folded (FOLD_ROWS), or are
+    padded with zero rows."""
     A = sys.modules["entmaxkv.kernels.attention"]
-    monkeypatch.setattr(A, "LB_MODE", {False: lb_mode, True: lb_mode})
+    monkeypatch.setattr(A, "LB_MODE", dict.fromkeys(A.LB_MODE, lb_mode))
+    monkeypatch.setattr(A, "FOLD_ROWS", fold)
     monkeypatch.setattr(A, "SPLIT_FACTOR", 1)
     monkeypatch.setattr(A, "DOT_ENTMAX_PER_SM", 1)
     cache, ids, q, sl = setup([1250, 77], 2, G, 16, 8, torch.float32, seed=21, key_scale=0.05, slopes=True)

@@ -66,16 +66,18 @@ NEWTON_MAX = 64
 # software pipelining of the K loads).
 TILE_NEWTON = 1
 # How pass 1 raises its bound after a tile (one Newton step at most), by
-# path (True: tl.dot). 0: the max, then the step's two sums, three
-# reductions; 1: one fused reduction (the max and both sums), the step
-# starting from the previous tile's max - 1, which is still <= tau of the
-# slots. Measured on the H200 (results/tune_bound.log, whole dense / page-list
-# entmax attention): the one-head path gains with 1 (paper 8 x 128k dense
-# 0.692 -> 0.671 ms, page list 0.501 -> 0.475 ms); the tl.dot path loses
-# (GQA 4 x 32k 0.143 -> 0.153 ms). Testing a tile against the bound from
-# before it, and skipping the stores of tiles without candidates, measured
-# slower on both paths.
-LB_MODE = {False: 1, True: 0}
+# path: one head per program, tl.dot with folded rows (FOLD_ROWS), tl.dot
+# with zero rows. 0: the max, then the step's two sums, three reductions;
+# 1: one fused reduction (the max and both sums), the step starting from the
+# previous tile's max - 1, which is still <= tau of the slots. Measured on
+# the H200 (results/tune_bound.log, whole dense / page-list entmax
+# attention): one head, paper 8 x 128k dense 0.692 -> 0.671 ms, page list
+# 0.501 -> 0.475 ms with 1; folded tl.dot, GQA 4 x 32k page list 0.123 ->
+# 0.120 ms, dense 4 x 128k 0.350 -> 0.342 ms with 1 (dense 4 x 32k 0.110 ->
+# 0.113); zero rows, GQA 4 x 32k dense 0.143 -> 0.153 ms with 1. Testing a
+# tile against the bound from before it, and skipping the stores of tiles
+# without candidates, measured slower on every path.
+LB_MODE = {"one_head": 1, "dot_folded": 1, "dot_rows": 0}
 # _vacc_kernel (block of candidates, warps, [block, D] accumulator) by head
 # dim, measured on the H200 (benchmarks/results/profile.log): d <= 64 (paper
 # config) 128 x 4 warps with a [block, D] accumulator, 8.4 us at 8 x 128k;
@@ -121,10 +123,21 @@ SPLIT_FACTOR = 8
 # 512k 0.148 / 1.953 ms with 32 x 4 warps x 6 stages, 8 per SM, without the
 # prefetch; 0.143 / 1.936 ms with these).
 DOT_SOFTMAX_DENSE_FACTOR = 3.88
+# tl.dot entmax pass with NG < 16 heads per tile (NG a power of two): the dot's
+# 16 query rows hold BLOCK_G // NG copies of each head instead of zero rows,
+# and the scores are folded to [NG, BLOCK_T] (a max over equal copies, exact)
+# before the bound update and the candidate stores, which then touch NG rows
+# instead of 16 (sm_90: 255 -> 142 registers, 17 -> 7 barriers per tile).
+# Measured (results/tune_bound.log): GQA 4 x 32k dense 0.141 -> 0.110 ms,
+# page list 0.138 -> 0.123 ms; 4 x 128k dense 0.452 -> 0.350 ms. False: keep
+# the zero rows.
+FOLD_ROWS = True
 # The tl.dot entmax pass instead runs exactly this many programs per SM
-# (rounded down to whole splits per row): its 4-stage K pipeline takes 128 KB
-# of shared memory, one program per SM, so a partial last wave costs a whole
-# program's time (4 x 32k GQA: 2 per SM 0.169 ms, 8 per SM 0.229 ms).
+# (rounded down to whole splits per row): few fit at once (sm_90, 128-token
+# tiles: two 32 KB K buffers in shared memory and 142 registers folded, 255
+# with zero rows), so a partial last wave costs a whole program's time
+# (4 x 32k GQA, folded: 2 per SM 0.110 ms; 3 per SM 0.118-0.122, 4 per SM
+# 0.114-0.128 with smaller tiles, results/tune_bound.log).
 DOT_ENTMAX_PER_SM = 2
 # Short selections on the one-head path (at most SMALL_SEL_TOKENS tokens per
 # row, head dim <= 64) with fewer rows than SMs are latency-bound: 32-token tiles, 1 warp,
@@ -186,7 +199,8 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     tokens = W * P
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
     prefetch = PREFETCH_PAGES and (not dense or DENSE_PREFETCH[(use_dot, softmax)])
-    return dict(USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_T=block_t,
+    fold = use_dot and not softmax and FOLD_ROWS and NG == next_pow2(NG) and NG < block_g
+    return dict(USE_DOT=use_dot, BLOCK_G=block_g, R=NG if fold else block_g, BLOCK_D=block_d, BLOCK_T=block_t,
                 NSPLIT=nsplit, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
 
 
@@ -352,7 +366,7 @@ def _split_kernel(
     HQ, G, W, CAP,
     S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, LB_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
@@ -393,26 +407,33 @@ def _split_kernel(
 
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < NG
+    o_h = tl.arange(0, R)  # rows of the entmax state: R == BLOCK_G, or NG when the dot's rows repeat the heads
+    m_h = o_h < NG
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     o_tt = tl.arange(0, BLOCK_T)
     p_bt = bt_ptr + seq * stride_bt
     p_pages = pages_ptr + i_b.to(tl.int64) * stride_pb + i_sh * stride_ph
     if USE_DOT:
-        p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g)[:, None] * stride_qh + o_d[None, :]
-        b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+        if R < BLOCK_G:  # dot row g is head g % R: every row real, BLOCK_G // R copies of each head
+            p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g % R)[:, None] * stride_qh + o_d[None, :]
+            b_q = tl.load(p_q, mask=m_d[None, :], other=0.0)
+        else:
+            p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g)[:, None] * stride_qh + o_d[None, :]
+            b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
         if HAS_ALIBI:
             b_sl = tl.load(slopes_ptr + h0 + o_g, mask=m_g, other=0.0)
+            b_slh = tl.load(slopes_ptr + h0 + o_h, mask=m_h, other=0.0)
         if SOFTMAX:
             b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
             b_l = tl.zeros([BLOCK_G], tl.float32)
             b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         else:
-            b_lb = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            b_mx = tl.full([BLOCK_G], float("-inf"), tl.float32)  # max of b_top (LB_MODE 1)
-            b_top = tl.full([BLOCK_G, BLOCK_T], float("-inf"), tl.float32)
-            b_nc = tl.zeros([BLOCK_G, BLOCK_T], tl.int32)
-            o_c = ((i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s) * CAP
+            b_lb = tl.full([R], float("-inf"), tl.float32)
+            b_mx = tl.full([R], float("-inf"), tl.float32)  # max of b_top (LB_MODE 1)
+            b_top = tl.full([R, BLOCK_T], float("-inf"), tl.float32)
+            b_nc = tl.zeros([R, BLOCK_T], tl.int32)
+            o_c = ((i_b * HQ + h0 + o_h).to(tl.int64) * NSPLIT + i_s) * CAP
     else:
         b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + h0 * stride_qh + o_d, mask=m_d, other=0.0)
         b_q = b_q.to(tl.float32)
@@ -444,10 +465,10 @@ def _split_kernel(
         if USE_DOT:
             # ---- NG heads share the tile: [BLOCK_G, BLOCK_T] scores by tl.dot
             b_s = _qk(b_q, b_k, DOT_F32, PREC) * scale
-            if HAS_ALIBI:
-                b_s += b_sl[:, None] * rel[None, :]
-            b_s = tl.where(m_g[:, None] & m_tok[None, :], b_s, float("-inf"))
             if SOFTMAX:
+                if HAS_ALIBI:
+                    b_s += b_sl[:, None] * rel[None, :]
+                b_s = tl.where(m_g[:, None] & m_tok[None, :], b_s, float("-inf"))
                 m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 b_p = tl.exp(b_s - m_use[:, None])
@@ -458,6 +479,11 @@ def _split_kernel(
                 b_acc = b_acc * corr[:, None] + _pv(b_p, b_v, DOT_F32, PREC)
                 b_m = m_new
             else:
+                if R < BLOCK_G:  # the copies of a head hold equal scores: fold them to [R, BLOCK_T]
+                    b_s = tl.max(tl.reshape(b_s, [BLOCK_G // R, R, BLOCK_T]), axis=0)
+                if HAS_ALIBI:
+                    b_s += b_slh[:, None] * rel[None, :]
+                b_s = tl.where(m_h[:, None] & m_tok[None, :], b_s, float("-inf"))
                 b_x = b_s * am1
                 b_top = tl.maximum(b_top, b_x)
                 if LB_MODE == 0:
@@ -495,8 +521,8 @@ def _split_kernel(
         if PREFETCH:
             i_row, pos, m_tok, phys = i_row_nx, pos_nx, m_tok_nx, phys_nx
 
-    o_r = (i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s
     if SOFTMAX:
+        o_r = (i_b * HQ + h0 + o_g).to(tl.int64) * NSPLIT + i_s
         if not USE_DOT:  # merge the per-slot states
             m_all = tl.max(b_m, axis=0)
             m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
@@ -509,18 +535,19 @@ def _split_kernel(
         tl.store(pacc_ptr + o_r[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
     else:
         # the split's max and a last lb update (a tighter start for the solve)
+        o_r = (i_b * HQ + h0 + o_h).to(tl.int64) * NSPLIT + i_s
         if USE_DOT:
             b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
-            b_cnt = _compact(cx_ptr, ci_ptr, o_c, b_nc, BLOCK_G, BLOCK_T)
-            tl.store(cn_ptr + o_r, b_cnt, mask=m_g)
-            tl.store(clb_ptr + o_r, b_lb, mask=m_g)
-            tl.store(cm_ptr + o_r, tl.max(b_top, axis=1), mask=m_g)
+            b_cnt = _compact(cx_ptr, ci_ptr, o_c, b_nc, R, BLOCK_T)
+            tl.store(cn_ptr + o_r, b_cnt, mask=m_h)
+            tl.store(clb_ptr + o_r, b_lb, mask=m_h)
+            tl.store(cm_ptr + o_r, tl.max(b_top, axis=1), mask=m_h)
         else:
             b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
             b_cnt = _compact(cx_ptr, ci_ptr, o_c + tl.zeros([1], tl.int64), b_nc[None, :], 1, BLOCK_T)
-            tl.store(cn_ptr + o_r, b_cnt, mask=m_g)
-            tl.store(clb_ptr + o_r, b_lb[None], mask=m_g)
-            tl.store(cm_ptr + o_r, tl.max(b_top, axis=0)[None], mask=m_g)
+            tl.store(cn_ptr + o_r, b_cnt, mask=m_h)
+            tl.store(clb_ptr + o_r, b_lb[None], mask=m_h)
+            tl.store(cm_ptr + o_r, tl.max(b_top, axis=0)[None], mask=m_h)
 
 
 @triton.jit
@@ -878,7 +905,8 @@ def _run(
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
-    lb_mode = LB_MODE[cfg["USE_DOT"]] if newton <= 1 else 0  # the fused step takes one Newton step at most
+    path = "dot_rows" if cfg["R"] == cfg["BLOCK_G"] > 1 else ("dot_folded" if cfg["USE_DOT"] else "one_head")
+    lb_mode = LB_MODE[path] if newton <= 1 else 0  # the fused step takes one Newton step at most
     opts = launch_opts(dev)
 
     _split_kernel[(B * S, NSPLIT)](
@@ -891,7 +919,7 @@ def _run(
         cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
         HQ, G, W, CAP,
         S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
-        BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
+        BLOCK_G=cfg["BLOCK_G"], R=cfg["R"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
