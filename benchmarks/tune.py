@@ -3,7 +3,8 @@
 Times ``kernels.dense_attend`` (or, with ``--sparse``, ``kernels.attend``
 over every page in shuffled order, the path a selection takes; with
 ``--pages N`` over N of them, a top-k-sized selection) for
-(BLOCK_T, num_warps, num_stages) x split factor x tile Newton steps on the
+(BLOCK_T, num_warps, num_stages) x split factor x tile Newton steps x
+bound-update mode (``--lb-modes``; other knobs with ``--set``) on the
 given configurations (one head per program: paper config; tl.dot path: GQA
 config) and prints a table; the chosen values are then written into
 ``attention._plan`` by hand.
