@@ -68,6 +68,18 @@ METHODS = {
 }
 
 
+def set_knobs(items):
+    """Apply "MODULE.NAME=VALUE" overrides to entmaxkv.kernels.MODULE (a
+    tuning script's --set options; VALUE is a Python literal), echoing each."""
+    import importlib
+
+    for item in items:
+        target, value = item.split("=", 1)
+        mod, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(f"entmaxkv.kernels.{mod}"), name, eval(value))  # noqa: S307
+        print(f"# {target} = {value}")
+
+
 def build(cfg, seed=0):
     """Paged cache + contiguous [B, H, n, D] copies of K and V + queries."""
     B, n, HQ, H, D, dtype, P = cfg

@@ -20,7 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_decode import CONFIGS, METHODS, build, capture, make_step, time_graph
+from bench_decode import CONFIGS, METHODS, build, capture, make_step, set_knobs, time_graph
 
 
 def kernel_times(step, iters: int):
@@ -56,15 +56,9 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="override a knob of entmaxkv.kernels.MODULE, e.g. topk.SELECT_WARPS=8")
     args = ap.parse_args(argv)
-    import importlib
-
     from entmaxkv import kernels as K
 
-    for item in args.set:
-        target, value = item.split("=", 1)
-        mod, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(f"entmaxkv.kernels.{mod}"), name, eval(value))  # noqa: S307
-        print(f"# {target} = {value}")
+    set_knobs(args.set)
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     for cname in args.configs.split(","):

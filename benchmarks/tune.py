@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from bench_decode import CONFIGS, build, capture, time_graph  # noqa: E402
+from bench_decode import CONFIGS, build, capture, set_knobs, time_graph  # noqa: E402
 
 VARIANTS = {  # (BLOCK_T, num_warps, num_stages) per code path
     "one_head": [(256, 4, 3), (256, 8, 3), (512, 4, 3), (512, 8, 3), (1024, 8, 2), (512, 8, 4)],
@@ -42,14 +42,8 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="override a knob of entmaxkv.kernels.MODULE first, e.g. attention.PREFETCH_PAGES=False")
     args = ap.parse_args(argv)
-    import importlib
-
     from entmaxkv.kernels import attention as A
-    for item in args.set:
-        target, value = item.split("=", 1)
-        mod, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(f"entmaxkv.kernels.{mod}"), name, eval(value))  # noqa: S307
-        print(f"# {target} = {value}")
+    set_knobs(args.set)
     from entmaxkv.kernels.select import select_full
     from entmaxkv.types import Selection
 

@@ -200,8 +200,9 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
     prefetch = PREFETCH_PAGES and (not dense or DENSE_PREFETCH[(use_dot, softmax)])
     fold = use_dot and not softmax and FOLD_ROWS and NG == next_pow2(NG) and NG < block_g
+    path = ("dot_folded" if fold else "dot_rows") if use_dot else "one_head"  # the LB_MODE key
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, R=NG if fold else block_g, BLOCK_D=block_d, BLOCK_T=block_t,
-                NSPLIT=nsplit, PREFETCH=prefetch, num_warps=warps, num_stages=stages)
+                NSPLIT=nsplit, PREFETCH=prefetch, PATH=path, num_warps=warps, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------
@@ -421,14 +422,15 @@ def _split_kernel(
         else:
             p_q = q_ptr + i_b.to(tl.int64) * stride_qb + (h0 + o_g)[:, None] * stride_qh + o_d[None, :]
             b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
-        if HAS_ALIBI:
-            b_sl = tl.load(slopes_ptr + h0 + o_g, mask=m_g, other=0.0)
-            b_slh = tl.load(slopes_ptr + h0 + o_h, mask=m_h, other=0.0)
         if SOFTMAX:
+            if HAS_ALIBI:
+                b_sl = tl.load(slopes_ptr + h0 + o_g, mask=m_g, other=0.0)
             b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
             b_l = tl.zeros([BLOCK_G], tl.float32)
             b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         else:
+            if HAS_ALIBI:
+                b_sl = tl.load(slopes_ptr + h0 + o_h, mask=m_h, other=0.0)
             b_lb = tl.full([R], float("-inf"), tl.float32)
             b_mx = tl.full([R], float("-inf"), tl.float32)  # max of b_top (LB_MODE 1)
             b_top = tl.full([R, BLOCK_T], float("-inf"), tl.float32)
@@ -482,7 +484,7 @@ def _split_kernel(
                 if R < BLOCK_G:  # the copies of a head hold equal scores: fold them to [R, BLOCK_T]
                     b_s = tl.max(tl.reshape(b_s, [BLOCK_G // R, R, BLOCK_T]), axis=0)
                 if HAS_ALIBI:
-                    b_s += b_slh[:, None] * rel[None, :]
+                    b_s += b_sl[:, None] * rel[None, :]
                 b_s = tl.where(m_h[:, None] & m_tok[None, :], b_s, float("-inf"))
                 b_x = b_s * am1
                 b_top = tl.maximum(b_top, b_x)
@@ -905,8 +907,7 @@ def _run(
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
-    path = "dot_rows" if cfg["R"] == cfg["BLOCK_G"] > 1 else ("dot_folded" if cfg["USE_DOT"] else "one_head")
-    lb_mode = LB_MODE[path] if newton <= 1 else 0  # the fused step takes one Newton step at most
+    lb_mode = LB_MODE[cfg["PATH"]] if newton <= 1 else 0  # the fused step takes one Newton step at most
     opts = launch_opts(dev)
 
     _split_kernel[(B * S, NSPLIT)](
