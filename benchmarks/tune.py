@@ -2,7 +2,9 @@
 
 Times ``kernels.dense_attend`` (or, with ``--sparse``, ``kernels.attend``
 over every page in shuffled order, the path a selection takes; with
-``--pages N`` over N of them, a top-k-sized selection) for
+``--pages N`` over N of them, a top-k-sized selection; with ``--full-width``
+too, N pages counted in a list as wide as the cache, as a Gaussian or
+certified selection keeps them) for
 (BLOCK_T, num_warps, num_stages) x split factor x tile Newton steps x
 bound-update mode (``--lb-modes``; other knobs with ``--set``) on the
 given configurations (one head per program: paper config; tl.dot path: GQA
@@ -37,6 +39,11 @@ def main(argv=None):
     ap.add_argument("--sparse", action="store_true", help="time attend over a shuffled full page list")
     ap.add_argument("--pages", type=int, default=0,
                     help="with --sparse: keep only the first N pages of each shuffled list (a top-k-sized selection)")
+    ap.add_argument("--full-width", action="store_true",
+                    help="with --pages: keep the page list's full width (as a Gaussian or certified selection has, "
+                         "so the split count is the dense one) and count N pages in it")
+    ap.add_argument("--gaussian", action="store_true",
+                    help="time attend over the pages the Gaussian policy keeps (alpha 1.5 selection)")
     ap.add_argument("--variants", default=None, metavar="BT,WARPS,STAGES;...",
                     help="(BLOCK_T, num_warps, num_stages) triples to time instead of the built-in list")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
@@ -47,7 +54,7 @@ def main(argv=None):
     from entmaxkv.kernels.select import select_full
     from entmaxkv.types import Selection
 
-    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE)
+    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE, A.DOT_SOFTMAX_LIST_FACTOR)
     lb_modes = [int(x) for x in args.lb_modes.split(",")] if args.lb_modes else [None]
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
@@ -59,14 +66,19 @@ def main(argv=None):
         cache, ids, q, k4, v4 = build(cfg)
         ng = HQ // H
         sel = None
-        if args.sparse:
+        if args.gaussian:
+            from entmaxkv import Gaussian
+            from entmaxkv import kernels as K
+            sel = K.select(Gaussian(), q, cache, ids, alpha=1.5, scale=1 / math.sqrt(D))
+        elif args.sparse:
             full = select_full(q, cache, ids)
             gen = torch.Generator(device="cuda").manual_seed(1)
             perm = torch.argsort(torch.rand(full.pages.shape, device="cuda", generator=gen), dim=-1)
             pages = torch.gather(full.pages, -1, perm.to(torch.int32)).contiguous()
             if args.pages:
-                pages = pages[..., :args.pages].contiguous()
-                sel = Selection(pages, torch.full_like(full.counts, pages.shape[-1]))
+                if not args.full_width:
+                    pages = pages[..., :args.pages].contiguous()
+                sel = Selection(pages, torch.full_like(full.counts, min(args.pages, pages.shape[-1])))
             else:
                 sel = Selection(pages, full.counts)
         variants = VARIANTS["dot" if ng >= 2 else "one_head"]
@@ -75,6 +87,7 @@ def main(argv=None):
         for alpha in alphas:
             for factor in (float(f) for f in args.factors.split(",")):
                 A.SPLIT_FACTOR = factor  # programs per SM (the tl.dot entmax pass: exactly, rounded down)
+                A.DOT_SOFTMAX_LIST_FACTOR = factor
                 A.DOT_ENTMAX_PER_SM = factor
                 for newton, lb_mode in ((nw, lm) for nw in (int(x) for x in args.newton.split(","))
                                         for lm in lb_modes):
@@ -100,7 +113,7 @@ def main(argv=None):
         del cache, ids, q, k4, v4
         torch.cuda.empty_cache()
     A.TUNE.clear()
-    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE = defaults
+    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE, A.DOT_SOFTMAX_LIST_FACTOR = defaults
     print("\nbest per (config, alpha):")
     for cname in args.configs.split(","):
         for alpha in alphas:

@@ -190,6 +190,37 @@ def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q, variant, m
     assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("min_tokens", [16, 60], ids=["4-pages", "15-pages"])
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_attend_one_head_list_min_split_share(min_tokens, alpha, monkeypatch):
+    """One head per program through page lists of very different lengths, with
+    as many rows as SMs: each row spreads its kept pages evenly over only as
+    many splits as give each SPLIT_MIN_TOKENS (the rest run no tile). Every
+    kept page must still be read once: the result is exact."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "SPLIT_MIN_TOKENS", {False: 4 * min_tokens, True: min_tokens})
+    H, P, lens = 3, 4, [700, 300, 45]
+    cache, ids, q, sl = setup(lens, H, 1, 16, P, torch.float32, seed=9, slopes=True)
+    W = 120
+    cfg = A._plan(3, H, 1, 16, W, P, q.device, False, 4, dense=False)
+    assert cfg["NSPLIT"] >= 3 and cfg["MIN_PER"] == min_tokens // P
+    gen = torch.Generator().manual_seed(11)
+    pages = torch.randint(0, cache.block_table.shape[1], (3, H, W), generator=gen, dtype=torch.int32)
+    counts = torch.zeros(3, H, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        npages = -(-n // P)
+        for s, k in enumerate([min(W, npages), int(torch.randint(1, 9, (1,), generator=gen)),
+                               int(torch.randint(0, min(W, npages) + 1, (1,), generator=gen))]):
+            pages[b, s, :k] = torch.randperm(npages, generator=gen)[:k].to(torch.int32)
+            counts[b, s] = k
+    sel = Selection(pages.to(DEV), counts.to(DEV))
+    out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
+    ref, rtau = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
+    assert rel_err(out, ref) < 2e-5
+    fin = counts.to(DEV) > 0
+    assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
+
+
 def test_float64_query_runs_in_float32():
     cache, ids, q, _ = setup([50, 17], 1, 2, 16, 8, torch.float32, seed=4)
     out, tau = K.dense_attend(q.double(), cache, ids, alpha=1.5, scale=0.25)

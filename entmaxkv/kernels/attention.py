@@ -116,8 +116,19 @@ DENSE_PREFETCH = {(False, True): True, (False, False): False, (True, True): True
 # Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
 TUNE: dict = {}
 # Programs per multiprocessor the split count aims for (may be fractional:
-# int(SPLIT_FACTOR * SMs) programs in all, rounded up to whole splits per row).
+# int(factor * SMs) programs in all, rounded up to whole splits per row).
 SPLIT_FACTOR = 8
+# The tl.dot softmax pass through a page list (GQA top-k).
+DOT_SOFTMAX_LIST_FACTOR = 8
+# The dense one-head entmax pass with at least as many rows as SMs aims for
+# ENTMAX_WAVE_FACTOR instead (about one wave of its programs): fewer, longer
+# programs pay the prologue, the compaction of candidates and the solve's
+# per-split merge less often (results/tune_factor.log): paper 8 x 32k /
+# 8 x 128k 0.212 / 0.671 -> 0.188 / 0.640 ms. Not with few rows (1 x 2M:
+# 1.38 -> 1.85 ms) nor through page lists, whose rows keep different counts
+# that few splits balance badly (Gaussian pages at 8 x 512k 0.140 -> 0.183
+# ms, results/tune_gauss_split.log; SPLIT_MIN_TOKENS below is for those).
+ENTMAX_WAVE_FACTOR = 2
 # The dense tl.dot softmax pass (32-token tiles, 2 warps, 4 stages, page ids
 # prefetched) aims for this many (results/tune_bound.log: GQA 4 x 32k / 4 x
 # 512k 0.148 / 1.953 ms with 32 x 4 warps x 6 stages, 8 per SM, without the
@@ -147,6 +158,19 @@ DOT_ENTMAX_PER_SM = 2
 SMALL_SEL_TOKENS = 2048
 SMALL_SEL = (32, 1, 2)
 SMALL_SEL_FACTOR = 16
+# Through a page list the split count comes from the list's width (a shape),
+# but a selection may keep far fewer pages: a row then spreads its kept pages
+# over only as many of its splits as give each at least this many tokens
+# (evenly; the others run no tile), keyed by whether there are at least as
+# many rows as SMs. 0: always all of them. One-head entmax only
+# (results/tune_gauss_split.log, the Gaussian selection's pages): with many
+# rows, at 8 x 128k / 8 x 512k / 8 x 1M 0.165 / 0.140 / 0.106 ms with every
+# split in use, 0.161 / 0.122 / 0.112 ms at 8192 (8 x 32k: 0.125 -> 0.136);
+# with few rows (1 x 2M, 393 pages of 131072 kept per row) 0.044 ms over 44
+# splits of 9 pages, 0.033 over 11 of 36 (a factor of 2), 0.053 over 3 of
+# 131: 512 tokens gives about 12 splits there, and a selection of every page
+# (certified) still all 44.
+SPLIT_MIN_TOKENS = {False: 512, True: 8192}
 
 
 def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool, itemsize: int = 2,
@@ -183,9 +207,16 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
         stages = 3
     rows = B * S
-    factor = DOT_SOFTMAX_DENSE_FACTOR if (use_dot and softmax and dense) else SPLIT_FACTOR
-    if (not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
-            and (softmax or rows < num_sms(device))):
+    many = rows >= num_sms(device)
+    if use_dot:
+        factor = DOT_SOFTMAX_DENSE_FACTOR if dense else DOT_SOFTMAX_LIST_FACTOR
+    elif not softmax and dense and many:
+        factor = ENTMAX_WAVE_FACTOR
+    else:
+        factor = SPLIT_FACTOR
+    small = (not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
+             and (softmax or not many))
+    if small:
         (block_t, warps, stages), factor = SMALL_SEL, SMALL_SEL_FACTOR
     key = (NG, D, softmax)
     if key in TUNE:
@@ -199,10 +230,13 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     tokens = W * P
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
     prefetch = PREFETCH_PAGES and (not dense or DENSE_PREFETCH[(use_dot, softmax)])
+    # (not for short selections: their many small programs are the point)
+    min_per = SPLIT_MIN_TOKENS[many] // P if (not use_dot and not softmax and not dense and not small) else 0
     fold = use_dot and not softmax and FOLD_ROWS and NG == next_pow2(NG) and NG < block_g
     path = ("dot_folded" if fold else "dot_rows") if use_dot else "one_head"  # the LB_MODE key
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, R=NG if fold else block_g, BLOCK_D=block_d, BLOCK_T=block_t,
-                NSPLIT=nsplit, PREFETCH=prefetch, PATH=path, num_warps=warps, num_stages=stages)
+                NSPLIT=nsplit, MIN_PER=min_per, PREFETCH=prefetch, PATH=path, num_warps=warps,
+                num_stages=stages)
 
 
 # ---------------------------------------------------------------------------
@@ -365,7 +399,7 @@ def _split_kernel(
     stride_vp, stride_vh, stride_vr,
     stride_bt, stride_pb, stride_ph, stride_cb,
     HQ, G, W, CAP,
-    S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr,
+    S: tl.constexpr, NG: tl.constexpr, NSPLIT: tl.constexpr, MIN_PER: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -401,7 +435,11 @@ def _split_kernel(
         count = (n + P - 1) // P
     else:
         count = tl.minimum(tl.load(counts_ptr + i_b * stride_cb + i_sh), W)
-    per = (count + NSPLIT - 1) // NSPLIT
+    if MIN_PER > 0:  # splits in use: at least MIN_PER pages each, shares even
+        used = tl.minimum(tl.maximum(count // MIN_PER, 1), NSPLIT)
+        per = (count + used - 1) // used
+    else:
+        per = (count + NSPLIT - 1) // NSPLIT
     t_lo = tl.minimum(i_s * per, count) * P  # token slots [t_lo, t_hi) of the row
     t_hi = tl.minimum(i_s * per + per, count) * P
     pos_q = n - 1
@@ -899,7 +937,8 @@ def _run(
     else:
         # one candidate list per (query head, split), room for all its tokens
         # (staged as rows of BLOCK_T slots, then compacted in place)
-        CAP = cdiv(cdiv(W, NSPLIT) * P, BLOCK_T) * BLOCK_T
+        # (a split's share: ceil(W / NSPLIT) pages, or < 2 MIN_PER when fewer splits are used)
+        CAP = cdiv(max(cdiv(W, NSPLIT), 2 * cfg["MIN_PER"]) * P, BLOCK_T) * BLOCK_T
         cx = torch.empty(R * NSPLIT * CAP, dtype=f32, device=dev)
         ci = torch.empty(R * NSPLIT * CAP, dtype=torch.int32, device=dev)
         cn = torch.empty(R, NSPLIT, dtype=torch.int32, device=dev)
@@ -919,7 +958,7 @@ def _run(
         skp, skh, skr, svp, svh, svr,
         cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
         HQ, G, W, CAP,
-        S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
+        S=S, NG=NG, NSPLIT=NSPLIT, MIN_PER=cfg["MIN_PER"], P=P, D=D,
         BLOCK_G=cfg["BLOCK_G"], R=cfg["R"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,

@@ -18,11 +18,12 @@ Launches (no host synchronisation, fixed count):
    pooled Gaussian (shifted sums, accumulated per lane, one reduction per
    program) and the maxima that bracket tau_hat.
 2. ``_start_kernel`` (B*HQ): the chunk partials merged in float64 into the
-   bracket and the pooled moments; state 0 = the bracket's left end and the
-   pooled-Gaussian solution (the policy's tau_hat when pooled).
+   bracket and the pooled moments; state 0 = the start (the bracket's left
+   end under ALiBi, else the pooled-Gaussian solution; the policy's tau_hat
+   when pooled) and the pooled solution.
 3. ``_iter_kernel`` x NIT (B*HQ x NCH): safeguarded Halley on log(F + 1),
-   one launch per iteration. Launch 0 evaluates F, F', F'' at both points of
-   state 0; later launches rebuild the same float64 iterate in every program
+   one launch per iteration. Launch 0 evaluates F, F', F'' at the start
+   (under ALiBi at both points of state 0); later launches rebuild the same float64 iterate in every program
    of a head from the previous launch's partial sums (deterministic: same
    data, same order), then write their chunk's sums at the new iterate. Once
    a step moves tau by <= CONV_TOL (relative) the solve is final and the
@@ -66,7 +67,12 @@ NIT = 4
 SCALAR_ITERS = 24
 START_ITERS = 8
 # A Halley step this small (relative) ends the mixture solve (0: never).
-CONV_TOL = 1e-5
+# Convergence is cubic: after a step of 1e-4 the next would be ~1e-12 of the
+# scores' scale, below the float32 noise of the sums. 1e-4 instead of 1e-5
+# lets a launch more stop early (8x1M: 12.8 -> 7.6 us for launch 2) with
+# tau_hat unchanged to 1.2e-7 against a solve that never stops
+# (results/gaussian_launches.log).
+CONV_TOL = 1e-4
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -414,16 +420,21 @@ def _stats_kernel(
 @triton.jit
 def _start_kernel(st_ptr, state_ptr, NC, am1, beta,
                   BLOCK_C: tl.constexpr, POOLED: tl.constexpr, ITERS: tl.constexpr,
-                  START_ITERS: tl.constexpr, BETA_KIND: tl.constexpr, PDL: tl.constexpr):
+                  START_ITERS: tl.constexpr, BETA_KIND: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
     """Head r's NC chunk partials (count, mean, M2, bracket maxima) merged in
     float64 (two passes: mean, then M2 about it) into the pooled moments and
     the bracket, and the solve's state 0: (lo, hi, tau_0, aux). Pooled:
-    tau_0 is the pooled tau_hat (float64). Otherwise tau_0 = lo, the left
-    end (F(lo) >= 0), and aux the pooled solution in float32 clamped into
-    the bracket: iteration launch 0 evaluates F at both, and the solve goes
-    on from the one nearer the root (on i.i.d. keys the pooled start needs
-    2 Halley steps where the left end needs 4; under ALiBi the pooled model
-    can be far off, and the left end keeps the solve as robust as before)."""
+    tau_0 is the pooled tau_hat (float64). Otherwise aux is the pooled
+    solution in float32 clamped into the bracket. With TWO (ALiBi), tau_0 =
+    lo, the left end (F(lo) >= 0): iteration launch 0 evaluates F at both,
+    and the solve goes on from the one nearer the root (on i.i.d. keys the
+    pooled start needs 2 Halley steps where the left end needs 4; under
+    ALiBi the pooled model can be far off, and the left end keeps the solve
+    robust). Without ALiBi tau_0 = aux and launch 0 evaluates that one point:
+    a float64 replay of the solve on i.i.d., drifting, clustered and
+    sink-dominated pages (results/experiments.log) needed exactly as many
+    steps from the pooled start as from the better of the two, while under
+    ALiBi slopes it needed up to 2 more."""
     pdl_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     p = st_ptr + r * NC * 5
@@ -453,9 +464,9 @@ def _start_kernel(st_ptr, state_ptr, NC, am1, beta,
         tau = _pooled_tau(sw, mn, sq, am1, beta, ITERS, BETA_KIND, True)
         aux = tau
     else:
-        tau = lo
         aux = _pooled_tau(sw, mn, sq, am1, beta, START_ITERS, BETA_KIND, False).to(tl.float64)
         aux = tl.where(aux == aux, tl.minimum(tl.maximum(aux, lo), hi), lo)
+        tau = lo if TWO else aux
     p_s = state_ptr + r * 4
     tl.store(p_s + 0, lo)
     tl.store(p_s + 1, hi)
@@ -472,13 +483,14 @@ def _converged(state_ptr, r, it, R):
 
 
 @triton.jit
-def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.constexpr, CONV: tl.constexpr):
+def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.constexpr, CONV: tl.constexpr,
+             TWO: tl.constexpr):
     """(tau_it, lo, hi, converged) of head r for it >= 1 and a state it-1
     that has not converged: one safeguarded Halley step from state it-1 and
-    the F, F', F'' that launch it-1 summed there. Launch 0 evaluated two
-    points (state 0's tau = lo and its aux, the pooled start): the second
-    tightens the bracket and the step starts from whichever has the smaller
-    |log(F + 1)|. A Halley step that moves tau by <= CONV relative ends the
+    the F, F', F'' that launch it-1 summed there. With TWO launch 0
+    evaluated two points (state 0's tau = lo and its aux, the pooled start):
+    the second tightens the bracket and the step starts from whichever has
+    the smaller |log(F + 1)|. A Halley step that moves tau by <= CONV relative ends the
     solve (cubic convergence: the next step would be below the float32
     noise of the sums); later launches forward the state without reading
     their pages."""
@@ -493,22 +505,23 @@ def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.
     f = tl.sum(tl.load(p + 0, mask=m_c, other=0.0), axis=0)
     d1 = -beta * tl.sum(tl.load(p + 1, mask=m_c, other=0.0), axis=0)
     d2 = tl.sum(tl.load(p + 2, mask=m_c, other=0.0), axis=0)
-    m_2 = m_c & (o_c * 0 + it == 1)
-    two = tl.max(m_2.to(tl.int32), axis=0) > 0  # it == 1, as a tensor on the interpreter too
-    f_b = tl.sum(tl.load(p + 3, mask=m_2, other=0.0), axis=0)
-    d1_b = -beta * tl.sum(tl.load(p + 4, mask=m_2, other=0.0), axis=0)
-    d2_b = tl.sum(tl.load(p + 5, mask=m_2, other=0.0), axis=0)
-    # the second point: its sign tightens the bracket, and it is the base
-    # when nearer the root in log(F + 1): F(lo) >= 0, so f >= 1, and
-    # |log f_b| < log f is f_b < f above 1 and f f_b > 1 below (no logs)
-    above_b = f_b > 1.0
-    lo = tl.where(two & above_b, aux, lo)
-    hi = tl.where(two & ~above_b, aux, hi)
-    use_b = two & (f_b > 0) & tl.where(f_b >= 1.0, f_b < f, f * f_b > 1.0)
-    f = tl.where(use_b, f_b, f)
-    d1 = tl.where(use_b, d1_b, d1)
-    d2 = tl.where(use_b, d2_b, d2)
-    tau = tl.where(use_b, aux, tau)
+    if TWO:
+        m_2 = m_c & (o_c * 0 + it == 1)
+        two = tl.max(m_2.to(tl.int32), axis=0) > 0  # it == 1, as a tensor on the interpreter too
+        f_b = tl.sum(tl.load(p + 3, mask=m_2, other=0.0), axis=0)
+        d1_b = -beta * tl.sum(tl.load(p + 4, mask=m_2, other=0.0), axis=0)
+        d2_b = tl.sum(tl.load(p + 5, mask=m_2, other=0.0), axis=0)
+        # the second point: its sign tightens the bracket, and it is the base
+        # when nearer the root in log(F + 1): F(lo) >= 0, so f >= 1, and
+        # |log f_b| < log f is f_b < f above 1 and f f_b > 1 below (no logs)
+        above_b = f_b > 1.0
+        lo = tl.where(two & above_b, aux, lo)
+        hi = tl.where(two & ~above_b, aux, hi)
+        use_b = two & (f_b > 0) & tl.where(f_b >= 1.0, f_b < f, f * f_b > 1.0)
+        f = tl.where(use_b, f_b, f)
+        d1 = tl.where(use_b, d1_b, d1)
+        d2 = tl.where(use_b, d2_b, d2)
+        tau = tl.where(use_b, aux, tau)
     nxt, lo, hi, halley = _halley_update(f, d1, d2, tau, lo, hi)
     return nxt, lo, hi, halley & (tl.abs(nxt - tau) <= CONV * tl.abs(nxt))
 
@@ -570,17 +583,17 @@ def _iter_kernel(
     it, R, M, am1, beta,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
     HQ: tl.constexpr, P: tl.constexpr, BETA_KIND: tl.constexpr, FIRST: tl.constexpr, CONV: tl.constexpr,
-    PDL: tl.constexpr,
+    TWO: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
     n = tl.load(lens_ptr + seq)
-    if FIRST:  # state 0 (_start_kernel): F at tau_0 = lo and at the pooled start
+    if FIRST:  # state 0 (_start_kernel): F at tau_0 (and, with TWO, at the pooled start)
         p_s = state_ptr + i_r * 4
         _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tl.load(p_s + 2), tl.load(p_s + 3),
-                    NCH, CH, BLOCK, P, BETA_KIND, True)
+                    NCH, CH, BLOCK, P, BETA_KIND, TWO)
     else:
         p_s = state_ptr + (it * R + i_r) * 4
         if _converged(state_ptr, i_r, it, R):  # forward the state, read nothing else
@@ -591,7 +604,7 @@ def _iter_kernel(
                 tl.store(p_s + 2, tl.load(p_p + 2))
                 tl.store(p_s + 3, tl.load(p_p + 3))
         else:
-            tau, lo, hi, conv = _iterate(part_ptr, state_ptr, i_r, it, R, beta, NCH, NCH_P2, CONV)
+            tau, lo, hi, conv = _iterate(part_ptr, state_ptr, i_r, it, R, beta, NCH, NCH_P2, CONV, TWO)
             if i_c == 0:
                 tl.store(p_s + 0, lo)
                 tl.store(p_s + 1, hi)
@@ -609,7 +622,7 @@ def _select_kernel(
     R, M, am1, beta, margin, sinks, window,
     NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
     HQ: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, BLOCK_G: tl.constexpr, P: tl.constexpr,
-    NIT: tl.constexpr, CONV: tl.constexpr, PDL: tl.constexpr,
+    NIT: tl.constexpr, CONV: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)
     i_r = tl.program_id(0)
@@ -627,7 +640,7 @@ def _select_kernel(
         elif _converged(state_ptr, r, NIT, R):
             t = tl.load(state_ptr + ((NIT - 1) * R + r) * 4 + 2)
         else:
-            t, _lo, _hi, _conv = _iterate(part_ptr, state_ptr, r, NIT, R, beta, NCH, NCH_P2, CONV)
+            t, _lo, _hi, _conv = _iterate(part_ptr, state_ptr, r, NIT, R, beta, NCH, NCH_P2, CONV, TWO)
         t = t.to(tl.float32)
         b_tau = tl.where(o_g == g, t, b_tau)
         if i_c == 0:
@@ -720,12 +733,14 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         num_warps=cfg["SWARPS"], **stages, **opts,
     )
     nit = 0 if policy.pooled else NIT
+    # two start points only under ALiBi (see _start_kernel)
+    two = slopes is not None and not policy.pooled
     state = torch.empty(max(nit, 1), R, 4, dtype=torch.float64, device=dev)
     part = torch.empty(max(nit, 1), R, NCH, 6, dtype=torch.float64, device=dev)
     _start_kernel[(R,)](
         st, state, NC, am1, beta,
         BLOCK_C=min(1024, next_pow2(NC)), POOLED=policy.pooled, ITERS=SCALAR_ITERS, START_ITERS=START_ITERS,
-        BETA_KIND=bk, num_warps=4, **opts,
+        BETA_KIND=bk, TWO=two, num_warps=4, **opts,
     )
     block = min(1024, CH)
     for it in range(nit):
@@ -733,7 +748,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
             ids, cache.seq_lens, mu, sg, part, state,
             it, R, M, am1, beta,
             NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
-            BETA_KIND=bk, FIRST=it == 0, CONV=float(CONV_TOL), num_warps=ITER_WARPS, **opts,
+            BETA_KIND=bk, FIRST=it == 0, CONV=float(CONV_TOL), TWO=two, num_warps=ITER_WARPS, **opts,
         )
     pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
@@ -744,7 +759,8 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         pages, counts, tau_hat,
         R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
         NCH=NCH, NCH_P2=nch_p2, CH=sel_ch, BLOCK=max(16, min(sel_ch, 1024, 4096 // next_pow2(NG))),
-        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), num_warps=SELECT_WARPS,
+        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), TWO=two,
+        num_warps=SELECT_WARPS,
         **opts,
     )
     return Selection(pages, counts, tau_hat)
