@@ -180,14 +180,21 @@ def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q, variant, m
             k = int(torch.randint(0, min(W, npages) + 1, (1,), generator=gen))
             pages[b, s, :k] = torch.randperm(npages, generator=gen)[:k].to(torch.int32)
             counts[b, s] = k
+    out, tau = _attend_vs_reference(q, cache, ids, pages, counts, alpha, sl)
+    empty = (counts.repeat_interleave(H * G // S, dim=1) == 0).to(DEV)
+    assert torch.isinf(tau[empty]).all() and (out[empty] == 0).all()  # no kept token: zeros, tau = +inf
+
+
+def _attend_vs_reference(q, cache, ids, pages, counts, alpha, sl):
+    """K.attend over the selection (pages, counts) against the float64
+    reference: output and, on rows that keep a page, tau."""
     sel = Selection(pages.to(DEV), counts.to(DEV))
     out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
     ref, rtau = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
     assert rel_err(out, ref) < 2e-5
-    empty = (counts.repeat_interleave(H * G // S, dim=1) == 0).to(DEV)
-    assert torch.isinf(tau[empty]).all() and (out[empty] == 0).all()  # no kept token: zeros, tau = +inf
-    fin = ~empty
+    fin = (counts.repeat_interleave(q.shape[1] // counts.shape[1], dim=1) > 0).to(DEV)
     assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
+    return out, tau
 
 
 @pytest.mark.parametrize("min_tokens", [16, 60], ids=["4-pages", "15-pages"])
@@ -213,12 +220,16 @@ def test_attend_one_head_list_min_split_share(min_tokens, alpha, monkeypatch):
                                int(torch.randint(0, min(W, npages) + 1, (1,), generator=gen))]):
             pages[b, s, :k] = torch.randperm(npages, generator=gen)[:k].to(torch.int32)
             counts[b, s] = k
-    sel = Selection(pages.to(DEV), counts.to(DEV))
-    out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
-    ref, rtau = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
-    assert rel_err(out, ref) < 2e-5
-    fin = counts.to(DEV) > 0
-    assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
+    _attend_vs_reference(q, cache, ids, pages, counts, alpha, sl)
+
+
+def test_candidate_room_covers_every_split_share():
+    """The candidate buffer is sized by _max_share: no split may take more
+    pages than that, whatever the count (brute force over every count)."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    for W, nsplit, min_per in [(1, 1, 0), (100, 3, 0), (100, 6, 4), (2048, 6, 512), (3000, 44, 32), (77, 5, 16)]:
+        worst = max(-(-c // (min(max(c // min_per, 1), nsplit) if min_per else nsplit)) for c in range(W + 1))
+        assert worst <= A._max_share(W, nsplit, min_per) <= max(worst, -(-W // nsplit)), (W, nsplit, min_per)
 
 
 def test_float64_query_runs_in_float32():

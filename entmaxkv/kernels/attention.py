@@ -123,11 +123,11 @@ DOT_SOFTMAX_LIST_FACTOR = 8
 # The dense one-head entmax pass with at least as many rows as SMs aims for
 # ENTMAX_WAVE_FACTOR instead (about one wave of its programs): fewer, longer
 # programs pay the prologue, the compaction of candidates and the solve's
-# per-split merge less often (results/tune_factor.log): paper 8 x 32k /
+# per-split merge less often (results/tune_split.log): paper 8 x 32k /
 # 8 x 128k 0.212 / 0.671 -> 0.188 / 0.640 ms. Not with few rows (1 x 2M:
 # 1.38 -> 1.85 ms) nor through page lists, whose rows keep different counts
 # that few splits balance badly (Gaussian pages at 8 x 512k 0.140 -> 0.183
-# ms, results/tune_gauss_split.log; SPLIT_MIN_TOKENS below is for those).
+# ms, results/tune_split.log; SPLIT_MIN_TOKENS below is for those).
 ENTMAX_WAVE_FACTOR = 2
 # The dense tl.dot softmax pass (32-token tiles, 2 warps, 4 stages, page ids
 # prefetched) aims for this many (results/tune_bound.log: GQA 4 x 32k / 4 x
@@ -163,13 +163,15 @@ SMALL_SEL_FACTOR = 16
 # over only as many of its splits as give each at least this many tokens
 # (evenly; the others run no tile), keyed by whether there are at least as
 # many rows as SMs. 0: always all of them. One-head entmax only
-# (results/tune_gauss_split.log, the Gaussian selection's pages): with many
+# (results/tune_split.log, the Gaussian selection's pages): with many
 # rows, at 8 x 128k / 8 x 512k / 8 x 1M 0.165 / 0.140 / 0.106 ms with every
 # split in use, 0.161 / 0.122 / 0.112 ms at 8192 (8 x 32k: 0.125 -> 0.136);
 # with few rows (1 x 2M, 393 pages of 131072 kept per row) 0.044 ms over 44
 # splits of 9 pages, 0.033 over 11 of 36 (a factor of 2), 0.053 over 3 of
-# 131: 512 tokens gives about 12 splits there, and a selection of every page
-# (certified) still all 44.
+# 131: 512 tokens gives about 12 splits there (measured 0.040 ms), and a
+# selection of every page (certified) still all 44. Short selections (the
+# SMALL_SEL path) keep their many small programs (a 512-token minimum put
+# entmax top-k 1024 at 1 x 2M from 0.165 to 0.178 ms).
 SPLIT_MIN_TOKENS = {False: 512, True: 8192}
 
 
@@ -237,6 +239,16 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, R=NG if fold else block_g, BLOCK_D=block_d, BLOCK_T=block_t,
                 NSPLIT=nsplit, MIN_PER=min_per, PREFETCH=prefetch, PATH=path, num_warps=warps,
                 num_stages=stages)
+
+
+def _max_share(W: int, nsplit: int, min_per: int) -> int:
+    """The most pages one split takes from a row of at most W kept pages (the
+    split kernel's shares: ceil(count / used) over used splits)."""
+    share = cdiv(W, nsplit)
+    if min_per > 0:  # used = clamp(count // min_per, 1, nsplit): the largest count for each used < nsplit
+        for used in range(1, nsplit):
+            share = max(share, cdiv(min(W, (used + 1) * min_per - 1), used))
+    return share
 
 
 # ---------------------------------------------------------------------------
@@ -937,8 +949,7 @@ def _run(
     else:
         # one candidate list per (query head, split), room for all its tokens
         # (staged as rows of BLOCK_T slots, then compacted in place)
-        # (a split's share: ceil(W / NSPLIT) pages, or < 2 MIN_PER when fewer splits are used)
-        CAP = cdiv(max(cdiv(W, NSPLIT), 2 * cfg["MIN_PER"]) * P, BLOCK_T) * BLOCK_T
+        CAP = cdiv(_max_share(W, NSPLIT, cfg["MIN_PER"]) * P, BLOCK_T) * BLOCK_T
         cx = torch.empty(R * NSPLIT * CAP, dtype=f32, device=dev)
         ci = torch.empty(R * NSPLIT * CAP, dtype=torch.int32, device=dev)
         cn = torch.empty(R, NSPLIT, dtype=torch.int32, device=dev)
