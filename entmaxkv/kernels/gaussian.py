@@ -23,11 +23,12 @@ Launches (no host synchronisation, fixed count):
    when pooled) and the pooled solution.
 3. ``_iter_kernel`` x NIT (B*HQ x NCH): safeguarded Halley on log(F + 1),
    one launch per iteration. Launch 0 evaluates F, F', F'' at the start
-   (under ALiBi at both points of state 0); later launches rebuild the same float64 iterate in every program
-   of a head from the previous launch's partial sums (deterministic: same
-   data, same order), then write their chunk's sums at the new iterate. Once
-   a step moves tau by <= CONV_TOL (relative) the solve is final and the
-   launches skip their pages. Skipped when pooled.
+   (under ALiBi at both points of state 0); later launches rebuild the same
+   float64 iterate in every program of a head from the previous launch's
+   partial sums (deterministic: same data, same order), then write their
+   chunk's sums at the new iterate. Once a step moves tau by <= CONV_TOL
+   (relative) the solve is final and the launches skip their pages.
+   Skipped when pooled.
 4. ``_select_kernel`` (B*S x chunks of min(CH, SEL_CH) pages): final
    iterate, threshold test, forced pages, compaction with one atomic per
    block (pages unsorted).
@@ -432,7 +433,8 @@ def _start_kernel(st_ptr, state_ptr, NC, am1, beta,
     ALiBi the pooled model can be far off, and the left end keeps the solve
     robust). Without ALiBi tau_0 = aux and launch 0 evaluates that one point:
     a float64 replay of the solve on i.i.d., drifting, clustered and
-    sink-dominated pages (results/experiments.log) needed exactly as many
+    sink-dominated pages (benchmarks/gaussian_start.py, its output in
+    results/experiments.log) needed exactly as many
     steps from the pooled start as from the better of the two, while under
     ALiBi slopes it needed up to 2 more."""
     pdl_start(PDL)
