@@ -54,7 +54,7 @@ def main(argv=None):
     from entmaxkv.kernels.select import select_full
     from entmaxkv.types import Selection
 
-    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE, A.DOT_SOFTMAX_LIST_FACTOR)
+    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE)
     lb_modes = [int(x) for x in args.lb_modes.split(",")] if args.lb_modes else [None]
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
@@ -87,7 +87,6 @@ def main(argv=None):
         for alpha in alphas:
             for factor in (float(f) for f in args.factors.split(",")):
                 A.SPLIT_FACTOR = factor  # programs per SM (the tl.dot entmax pass: exactly, rounded down)
-                A.DOT_SOFTMAX_LIST_FACTOR = factor
                 A.DOT_ENTMAX_PER_SM = factor
                 for newton, lb_mode in ((nw, lm) for nw in (int(x) for x in args.newton.split(","))
                                         for lm in lb_modes):
@@ -113,7 +112,7 @@ def main(argv=None):
         del cache, ids, q, k4, v4
         torch.cuda.empty_cache()
     A.TUNE.clear()
-    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE, A.DOT_SOFTMAX_LIST_FACTOR = defaults
+    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE = defaults
     print("\nbest per (config, alpha):")
     for cname in args.configs.split(","):
         for alpha in alphas:

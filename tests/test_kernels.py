@@ -101,6 +101,16 @@ def test_dense_attend_matches_reference(alpha, dtype, G, P, D, slopes):
     assert (tau.double() - rtau).abs().max() < 1e-5
 
 
+def _one_split_per_row(monkeypatch, cache, G):
+    """Every split-count knob of the entmax pass set to 1 (one wave factor
+    per path), checked: the dense walk of this cache runs one split per row."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    for knob in ("SPLIT_FACTOR", "ENTMAX_WAVE_FACTOR", "DOT_ENTMAX_PER_SM"):
+        monkeypatch.setattr(A, knob, 1)
+    M, P = cache.block_table.shape[1], cache.page_size
+    assert A._plan(2, cache.kv_heads, G, 16, M, P, cache.k_pages.device, False, 4, dense=True)["NSPLIT"] == 1
+
+
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
 @pytest.mark.parametrize("G", [1, 4])
 @pytest.mark.parametrize("vacc", ["block-acc", "row-acc"])
@@ -111,11 +121,10 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
     the V pass through several blocks, with either accumulator (the GPU picks
     by head dim)."""
     A = sys.modules["entmaxkv.kernels.attention"]
-    monkeypatch.setattr(A, "SPLIT_FACTOR", 1)
-    monkeypatch.setattr(A, "DOT_ENTMAX_PER_SM", 1)
     if vacc == "row-acc":
         monkeypatch.setattr(A, "VACC_SMALL_D", A.VACC_LARGE_D)
     cache, ids, q, sl = setup([2900, 61], 2, G, 16, 8, torch.float32, seed=12, key_scale=0.05)
+    _one_split_per_row(monkeypatch, cache, G)
     out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3)
     full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3)
     ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.3)
@@ -136,9 +145,8 @@ def test_entmax_bound_update_modes(lb_mode, alpha, G, fold, monkeypatch):
     A = sys.modules["entmaxkv.kernels.attention"]
     monkeypatch.setattr(A, "LB_MODE", dict.fromkeys(A.LB_MODE, lb_mode))
     monkeypatch.setattr(A, "FOLD_ROWS", fold)
-    monkeypatch.setattr(A, "SPLIT_FACTOR", 1)
-    monkeypatch.setattr(A, "DOT_ENTMAX_PER_SM", 1)
     cache, ids, q, sl = setup([1250, 77], 2, G, 16, 8, torch.float32, seed=21, key_scale=0.05, slopes=True)
+    _one_split_per_row(monkeypatch, cache, G)
     slot = cache.block_table[int(ids[0]), 1100 // 8]  # page of token 1100: its keys along the queries
     cache.k_pages[slot, :, :3] = q[0].view(2, G, 16).mean(1)[:, None].to(cache.dtype) * 2
     out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
