@@ -407,6 +407,18 @@ def test_gaussian_select_short_stats_chunks(pooled, monkeypatch):
     _check_gaussian_select(1.5, pooled, False, True)
 
 
+@pytest.mark.parametrize("slopes", [True, False], ids=["alibi", "iid"])
+def test_gaussian_select_several_blocks_per_chunk(slopes, monkeypatch):
+    """Iteration chunks of several blocks (each block's mu, sigma loaded
+    while the previous one is used, the last prefetch masked off): every
+    block is summed once, with its own pages."""
+    gk = importlib.import_module("entmaxkv.kernels.gaussian")
+    monkeypatch.setattr(gk, "ITER_BLOCK", 16)
+    cfg = gk.gauss_plan(113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
+    assert cfg["CH"] >= 64  # so the iteration launches loop over >= 4 blocks
+    _check_gaussian_select(1.5, False, False, slopes)
+
+
 @pytest.mark.parametrize("G,D,dtype,prefetch", [
     (1, 24, torch.float16, False), (1, 24, torch.float16, True), (2, 40, torch.float32, True),
     (4, 16, torch.bfloat16, False),

@@ -29,7 +29,7 @@ Launches (no host synchronisation, fixed count):
    chunk's sums at the new iterate. Once a step moves tau by <= CONV_TOL
    (relative) the solve is final and the launches skip their pages.
    Skipped when pooled.
-4. ``_select_kernel`` (B*S x chunks of min(CH, SEL_CH) pages): final
+4. ``_select_kernel`` (B*S x blocks of at most SEL_CH pages): final
    iterate, threshold test, forced pages, compaction with one atomic per
    block (pages unsorted).
 
@@ -102,12 +102,17 @@ MIN_CH = 128
 # 646 -> 616 us for the whole selection) until the SMs run short of
 # programs (4x32k GQA, 128 rows: 2048 pages 36.7 us, 1024 pages 32.8 us;
 # results/tune_iter.log). The selection launch, whose programs merge no
-# partials, reads chunks of at most SEL_CH pages (1024: 8x1M 59 -> 47 us,
-# 4x32k GQA 7.0 -> 4.6 us against 2048; 4096 was slower everywhere).
+# partials, tests one block of at most SEL_CH pages and 4096 page-heads
+# (1024: 8x1M 59 -> 47 us, 4x32k GQA 7.0 -> 4.6 us against 2048 in two
+# blocks; 2048 in one block 47-52 us, 4096 slower everywhere;
+# results/gaussian_launches.log).
 MAX_CH = 4096
 ITER_PER_SM = 1
 ITER_WARPS = 4
 SEL_CH = 1024
+# Pages per block (one load and one register tile) of the iteration chunks;
+# each program loads its next block while it works on one.
+ITER_BLOCK = 1024
 SELECT_WARPS = 4
 
 
@@ -345,10 +350,10 @@ def _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh, stride_mp, strid
 @triton.jit
 def _stats_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmean_ptr, kstd_ptr,
-    mu_ptr, sg_ptr, st_ptr,
+    mu_ptr, sg_ptr, st_ptr, counts_ptr,
     scale, am1, stride_qb, stride_qh, stride_mp, stride_mh,
     HQ, G, M,
-    H: tl.constexpr, NCH: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, NCH: tl.constexpr, NSR: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr,
@@ -360,6 +365,8 @@ def _stats_kernel(
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < G
     o_row = (i_b * HQ + h0 + o_g).to(tl.int64)
+    if i_c == 0:  # the selection's page counts (NSR selection rows per KV row), which it adds to atomically
+        tl.store(counts_ptr + tl.program_id(0) * NSR + o_g, tl.zeros([BLOCK_G], tl.int32), mask=o_g < NSR)
     # Token-weighted (count, mean, M2) of the chunk's page mixture from sums
     # shifted by the first sub-block's mean k, accumulated per lane and reduced
     # once per program (no cross-warp reduction or merge inside the loop). With
@@ -529,11 +536,24 @@ def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.
 
 
 @triton.jit
-def _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau_b,
+def _load_mu_sg(mu_ptr, sg_ptr, i_r, o_m, M, lim):
+    """mu, sigma of pages o_m < min(M, lim) of query-head row i_r (0 elsewhere)."""
+    m_v = (o_m < M) & (o_m < lim)
+    b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+    b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
+    return b_mu, b_sg
+
+
+@triton.jit
+def _eval_chunk(mu_ptr, sg_ptr, part_ptr, b_mu, b_sg, n, npg4, i_r, i_c, it, R, M, am1, tau, tau_b,
                 NCH: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
                 BETA_KIND: tl.constexpr, TWO: tl.constexpr):
     """Chunk i_c's sums of w E[Y+^beta], w E[Y+^(beta-1)], d^2/dtau^2 at tau
-    (and at tau_b with TWO) into launch it's partials."""
+    (and at tau_b with TWO) into launch it's partials. b_mu, b_sg: the
+    chunk's first block (``_load_mu_sg`` up to npg4), loaded by the caller;
+    each later block is loaded while the previous one's terms are computed
+    (ALU work: one exp and two divisions per page; 8x1M launch 1 45.6 ->
+    43.9 us, results/gaussian_launches.log)."""
     # Y_p = am1 S_p - tau in float32: am1 (mu_p - c), c = tau / am1 split as
     # c_hi + c_lo, so mu_y carries a relative (not |tau|-sized) rounding error.
     c = tau / am1
@@ -544,9 +564,6 @@ def _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau_b
     cb_lo = (cb - cb_hi.to(tl.float64)).to(tl.float32)
     # float32 terms, summed per lane over the chunk (CH / BLOCK <= 4 terms on
     # the GPU), then across lanes and chunks in float64
-    # pages holding tokens, rounded up to 4 so that the mask allows vector loads
-    # (the stats kernel wrote mu = sigma = 0 on every page past the length)
-    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
     a0 = tl.zeros([BLOCK], tl.float32)
     a1 = tl.zeros([BLOCK], tl.float32)
     a2 = tl.zeros([BLOCK], tl.float32)
@@ -555,10 +572,8 @@ def _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau_b
     b2 = tl.zeros([BLOCK], tl.float32)
     for j0 in range(0, CH, BLOCK):
         o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
+        nx_mu, nx_sg = _load_mu_sg(mu_ptr, sg_ptr, i_r, o_m + BLOCK, M, tl.where(j0 + BLOCK < CH, npg4, 0))
         w = tl.minimum(tl.maximum(n - o_m * P, 0), P).to(tl.float32)
-        m_v = (o_m < M) & (o_m < npg4)
-        b_mu = tl.load(mu_ptr + i_r * M + o_m, mask=m_v, other=0.0)
-        b_sg = tl.load(sg_ptr + i_r * M + o_m, mask=m_v, other=0.0)
         e_b, e_b1, e_b2 = _gauss_terms(((b_mu - c_hi) - c_lo) * am1, b_sg * am1, BETA_KIND, False)
         # w = 0 on invalid pages, whose terms are finite (mu = sigma = 0)
         a0 += w * e_b
@@ -569,6 +584,7 @@ def _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau_b
             b0 += w * e_b
             b1 += w * e_b1
             b2 += w * e_b2
+        b_mu, b_sg = nx_mu, nx_sg
     p = part_ptr + ((it * R + i_r) * NCH + i_c) * 6
     tl.store(p + 0, tl.sum(a0.to(tl.float64), axis=0))
     tl.store(p + 1, tl.sum(a1.to(tl.float64), axis=0))
@@ -592,10 +608,15 @@ def _iter_kernel(
     i_c = tl.program_id(1)
     seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
     n = tl.load(lens_ptr + seq)
+    # pages holding tokens, rounded up to 4 so that the mask allows vector loads
+    # (the stats kernel wrote mu = sigma = 0 on every page past the length)
+    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
+    o_0 = i_c * CH + tl.arange(0, BLOCK)
     if FIRST:  # state 0 (_start_kernel): F at tau_0 (and, with TWO, at the pooled start)
         p_s = state_ptr + i_r * 4
-        _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tl.load(p_s + 2), tl.load(p_s + 3),
-                    NCH, CH, BLOCK, P, BETA_KIND, TWO)
+        b_mu, b_sg = _load_mu_sg(mu_ptr, sg_ptr, i_r, o_0, M, npg4)
+        _eval_chunk(mu_ptr, sg_ptr, part_ptr, b_mu, b_sg, n, npg4, i_r, i_c, it, R, M, am1,
+                    tl.load(p_s + 2), tl.load(p_s + 3), NCH, CH, BLOCK, P, BETA_KIND, TWO)
     else:
         p_s = state_ptr + (it * R + i_r) * 4
         if _converged(state_ptr, i_r, it, R):  # forward the state, read nothing else
@@ -613,7 +634,8 @@ def _iter_kernel(
                 tl.store(p_s + 2, tau)
                 tl.store(p_s + 3, conv.to(tl.float64))
             if not conv:  # a final tau needs no F (nothing reads this launch's partials)
-                _eval_chunk(mu_ptr, sg_ptr, part_ptr, n, i_r, i_c, it, R, M, am1, tau, tau,
+                b_mu, b_sg = _load_mu_sg(mu_ptr, sg_ptr, i_r, o_0, M, npg4)
+                _eval_chunk(mu_ptr, sg_ptr, part_ptr, b_mu, b_sg, n, npg4, i_r, i_c, it, R, M, am1, tau, tau,
                             NCH, CH, BLOCK, P, BETA_KIND, False)
 
 
@@ -622,10 +644,12 @@ def _select_kernel(
     ids_ptr, lens_ptr, mu_ptr, sg_ptr, part_ptr, state_ptr, z_ptr,
     pages_ptr, counts_ptr, tauhat_ptr,
     R, M, am1, beta, margin, sinks, window,
-    NCH: tl.constexpr, NCH_P2: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr,
+    NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK: tl.constexpr,
     HQ: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, BLOCK_G: tl.constexpr, P: tl.constexpr,
     NIT: tl.constexpr, CONV: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Threshold test of BLOCK pages of selection row i_r (union over its NG
+    heads), compacted into the row's page list with one atomic."""
     pdl_start(PDL)
     i_r = tl.program_id(0)
     i_c = tl.program_id(1)
@@ -633,6 +657,29 @@ def _select_kernel(
     h0 = (i_r % S) * NG
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < NG
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    npages = (n + P - 1) // P
+    o_m = i_c * BLOCK + tl.arange(0, BLOCK)
+    n_tok = tl.minimum(tl.maximum(n - o_m * P, 0), P)
+    m_v = (o_m < M) & (n_tok > 0)
+    # mu, sigma masked at the page count rounded up to 4 (the stats kernel
+    # wrote 0 past the length) so that the loads are 16-byte vectors: masked
+    # page by page, each thread's four scalar loads strided the warp over 4x
+    # the sectors (ncu at 8x1M: 71% excess sectors, 48.6 us;
+    # results/ncu_gaussian.log)
+    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
+    m_ld = (o_m < M) & (o_m < npg4)
+    if NG == 1:
+        o_row = (i_b * HQ + h0).to(tl.int64) * M
+        b_mu = tl.load(mu_ptr + o_row + o_m, mask=m_ld, other=0.0)
+        b_sg = tl.load(sg_ptr + o_row + o_m, mask=m_ld, other=0.0)
+    else:
+        m_2 = m_g[:, None] & m_v[None, :]
+        o_rows = (i_b * HQ + h0 + o_g).to(tl.int64) * M
+        b_mu = tl.load(mu_ptr + o_rows[:, None] + o_m[None, :], mask=m_g[:, None] & m_ld[None, :], other=0.0)
+        b_sg = tl.load(sg_ptr + o_rows[:, None] + o_m[None, :], mask=m_g[:, None] & m_ld[None, :], other=0.0)
+    b_z = tl.load(z_ptr + n_tok, mask=m_v, other=0.0)
     # -- tau_hat of each head of the row (same value in every program)
     b_tau = tl.zeros([BLOCK_G], tl.float32)
     for g in range(NG):  # (float64 iterate, float32 tau_hat as the reference returns)
@@ -647,26 +694,17 @@ def _select_kernel(
         b_tau = tl.where(o_g == g, t, b_tau)
         if i_c == 0:
             tl.store(tauhat_ptr + r, t)
-    # -- threshold test on the chunk's pages, union over the heads
-    seq = tl.load(ids_ptr + i_b).to(tl.int64)
-    n = tl.load(lens_ptr + seq)
-    npages = (n + P - 1) // P
-    o_rows = (i_b * HQ + h0 + o_g).to(tl.int64) * M
-    for j0 in range(0, CH, BLOCK):
-        o_m = i_c * CH + j0 + tl.arange(0, BLOCK)
-        n_tok = tl.minimum(tl.maximum(n - o_m * P, 0), P)
-        m_v = (o_m < M) & (n_tok > 0)
-        m_2 = m_g[:, None] & m_v[None, :]
-        b_mu = tl.load(mu_ptr + o_rows[:, None] + o_m[None, :], mask=m_2, other=0.0)
-        b_sg = tl.load(sg_ptr + o_rows[:, None] + o_m[None, :], mask=m_2, other=0.0)
-        b_z = tl.load(z_ptr + n_tok, mask=m_v, other=0.0)
+    # -- threshold test on the block's pages, union over the heads
+    if NG == 1:
+        keep = am1 * (b_mu + b_z * b_sg) > tl.max(b_tau, axis=0) - margin
+    else:
         hit = m_2 & (am1 * (b_mu + b_z[None, :] * b_sg) > b_tau[:, None] - margin)
-        keep = (tl.max(hit.to(tl.int32), axis=0) > 0) | (o_m < sinks) | (o_m >= npages - tl.maximum(window, 1))
-        keep = keep & m_v
-        f_keep = keep.to(tl.int32)
-        base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0))
-        i_out = base + tl.cumsum(f_keep, axis=0) - 1
-        tl.store(pages_ptr + i_r.to(tl.int64) * M + i_out, o_m, mask=keep)
+        keep = tl.max(hit.to(tl.int32), axis=0) > 0
+    keep = (keep | (o_m < sinks) | (o_m >= npages - tl.maximum(window, 1))) & m_v
+    f_keep = keep.to(tl.int32)
+    base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0))
+    i_out = base + tl.cumsum(f_keep, axis=0) - 1
+    tl.store(pages_ptr + i_r.to(tl.int64) * M + i_out, o_m, mask=keep)
 
 
 # ---------------------------------------------------------------------------
@@ -723,14 +761,17 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     opts = launch_opts(dev)
     NC = cfg["NCS"]
     stages = {} if cfg["SSTAGES"] is None else dict(num_stages=cfg["SSTAGES"])
+    pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
+    counts = torch.empty(B, S, dtype=torch.int32, device=dev)  # zeroed by the stats launch
+    tau_hat = torch.empty(B, HQ, dtype=torch.float32, device=dev)
     st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
     _stats_kernel[(B * H, NC)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
-        mu, sg, st,
+        mu, sg, st, counts,
         float(scale), am1, q.stride(0), q.stride(1), smp, smh,
         HQ, G, M,
-        H=H, NCH=NC, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["SBLOCK_M"],
-        NSUB=cfg["SNSUB"], HAS_ALIBI=slopes is not None,
+        H=H, NCH=NC, NSR=S // H, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_M=cfg["SBLOCK_M"], NSUB=cfg["SNSUB"], HAS_ALIBI=slopes is not None,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"], PREFETCH=cfg["SPREFETCH"],
         num_warps=cfg["SWARPS"], **stages, **opts,
     )
@@ -744,7 +785,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         BLOCK_C=min(1024, next_pow2(NC)), POOLED=policy.pooled, ITERS=SCALAR_ITERS, START_ITERS=START_ITERS,
         BETA_KIND=bk, TWO=two, num_warps=4, **opts,
     )
-    block = min(1024, CH)
+    block = min(ITER_BLOCK, CH)
     for it in range(nit):
         _iter_kernel[(R, NCH)](
             ids, cache.seq_lens, mu, sg, part, state,
@@ -752,15 +793,13 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
             NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
             BETA_KIND=bk, FIRST=it == 0, CONV=float(CONV_TOL), TWO=two, num_warps=ITER_WARPS, **opts,
         )
-    pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
-    counts = torch.zeros(B, S, dtype=torch.int32, device=dev)
-    tau_hat = torch.empty(B, HQ, dtype=torch.float32, device=dev)
-    sel_ch = max(16, min(CH, SEL_CH))  # its page chunks; NCH still counts the partials
-    _select_kernel[(B * S, cdiv(M, sel_ch))](
+    # one block of pages per program (no partials to merge, unlike the iteration launches)
+    sel = max(16, min(CH, SEL_CH, 4096 // next_pow2(NG)))
+    _select_kernel[(B * S, cdiv(M, sel))](
         ids, cache.seq_lens, mu, sg, part, state, z_table(policy.q_max, P, dev),
         pages, counts, tau_hat,
         R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
-        NCH=NCH, NCH_P2=nch_p2, CH=sel_ch, BLOCK=max(16, min(sel_ch, 1024, 4096 // next_pow2(NG))),
+        NCH=NCH, NCH_P2=nch_p2, BLOCK=sel,
         HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), TWO=two,
         num_warps=SELECT_WARPS,
         **opts,
