@@ -666,11 +666,11 @@ def _select_kernel(
     # mu, sigma masked at the page count rounded up to 4 (the stats kernel
     # wrote 0 past the length) so that the loads are 16-byte vectors: masked
     # page by page, each thread's four scalar loads strided the warp over 4x
-    # the sectors (ncu at 8x1M: 71% excess sectors, 48.6 us;
-    # results/ncu_gaussian.log)
+    # the sectors (ncu at 8x1M: 71% excess sectors, 48.6 us; 0% and 44.3 us
+    # now; results/ncu_gaussian.log)
     npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
     m_ld = (o_m < M) & (o_m < npg4)
-    if NG == 1:
+    if NG == 1:  # 1-D (a [1, BLOCK] tile measured 52.7 us against 48.6 before the mask change)
         o_row = (i_b * HQ + h0).to(tl.int64) * M
         b_mu = tl.load(mu_ptr + o_row + o_m, mask=m_ld, other=0.0)
         b_sg = tl.load(sg_ptr + o_row + o_m, mask=m_ld, other=0.0)

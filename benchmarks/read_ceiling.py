@@ -1,0 +1,135 @@
+"""How fast can the page metadata be read at all? (a script, not a test; GPU only)
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/read_ceiling.py --configs paper_b1_2m,paper_1m
+
+For each configuration, times (CUDA graph, L2 flushed, median) reads of the
+whole k_bounds (k_min/k_max) table, the bytes the Quest keys pass and (as
+k_moments) the Gaussian stats pass must move:
+
+* ``torch.sum`` of the table (a vendor reduction over contiguous memory);
+* a plain contiguous Triton read (BLOCK values x STEPS per program, a
+  running max, so that nothing is optimised away);
+* a Triton gather of whole pages through the benchmark's (shuffled) block
+  table and through the identity table, in runs of RUN values, BLOCK_M pages
+  per step and NSUB steps per program: what a pass that reads the metadata
+  through a block table can reach;
+* the keys pass as ``select_topk`` launches it.
+
+Prints microseconds and TB/s per line; the ceiling for the kernels of
+``entmaxkv.kernels`` is the best gather line.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from bench_decode import CONFIGS, build, capture, time_graph
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Largest of STEPS * BLOCK contiguous values per program."""
+    i = tl.program_id(0).to(tl.int64)
+    acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    for s in range(STEPS):
+        o = (i * STEPS + s) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.load(x_ptr + o, mask=o < N, other=0.0).to(tl.float32))
+    tl.store(out_ptr + i, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _gather_kernel(bt_ptr, x_ptr, out_ptr, NP, E: tl.constexpr, RUN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, NSUB: tl.constexpr):
+    """Largest value of NSUB * BLOCK_M pages (E values each, read as runs of
+    RUN) whose physical rows come from the table bt (NP entries)."""
+    i_c = tl.program_id(0)
+    NR: tl.constexpr = (E + RUN - 1) // RUN
+    acc = tl.full([BLOCK_M, RUN], float("-inf"), tl.float32)
+    for s in range(NSUB * NR):
+        o_m = i_c * (NSUB * BLOCK_M) + (s // NR) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_m = o_m < NP
+        phys = tl.load(bt_ptr + o_m, mask=m_m, other=0).to(tl.int64)
+        o_e = (s % NR) * RUN + tl.arange(0, RUN)
+        v = tl.load(x_ptr + phys[:, None] * E + o_e[None, :], mask=m_m[:, None] & (o_e < E)[None, :], other=0.0)
+        acc = tl.maximum(acc, v.to(tl.float32))
+    tl.store(out_ptr + i_c, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+def line(cname, what, us, nbytes):
+    print(f"{cname:12s} {what:48s} {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="paper_b1_2m,paper_1m")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="fewer Triton variants")
+    args = ap.parse_args(argv)
+    from entmaxkv.kernels import topk as T
+    from entmaxkv.kernels._common import as_slopes, num_sms
+
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+
+    def timed(fn):
+        g, _ = capture(fn)
+        ms, _ = time_graph(g, flush, 5, args.reps)
+        del g
+        return ms * 1e3
+
+    for cname in args.configs.split(","):
+        cache, ids, q, k4, v4 = build(CONFIGS[cname])
+        del k4, v4
+        torch.cuda.empty_cache()
+        B, HQ, D = q.shape
+        H = cache.kv_heads
+        M = cache.block_table.shape[1]
+        meta = cache.k_bounds  # [num_pages, H, 2, D], contiguous
+        E = meta[0].numel()
+        nb = meta.numel() * meta.element_size()
+        used = B * M * E * meta.element_size()  # the pages the batch's block tables name
+        print(f"## {cname}: table {nb / 2**20:.0f} MiB, {B} x {M} pages named ({used / 2**20:.0f} MiB), "
+              f"{E} values per page", flush=True)
+        line(cname, "torch.sum (whole table)", timed(lambda: torch.sum(meta, dtype=torch.float32)), nb)
+        flat = meta.view(-1)
+        N = flat.numel()
+        reads = ((2048, 16, 8), (4096, 8, 8), (8192, 4, 8), (1024, 16, 4), (2048, 8, 4))
+        if args.quick:
+            reads = reads[:2]
+        for block, steps, w in reads:
+            out = torch.empty(triton.cdiv(N, block * steps), device="cuda")
+            us = timed(lambda: _read_kernel[(out.numel(),)](flat, out, N, BLOCK=block, STEPS=steps, num_warps=w))
+            line(cname, f"contiguous read {block} x {steps}, {w} warps", us, nb)
+        bt = cache.block_table[ids.long()].reshape(-1).contiguous()
+        ident = torch.arange(bt.numel(), dtype=torch.int32, device="cuda")
+        NP = bt.numel()
+        gathers = [(512, 8, 1, 4), (512, 8, 4, 4), (512, 16, 2, 8), (512, 32, 1, 8), (2048, 4, 2, 8),
+                   (2048, 8, 1, 8), (512, 4, 8, 4), (256, 16, 4, 4), (512, 2, 16, 1), (256, 4, 8, 1)]
+        if args.quick:
+            gathers = gathers[:4]
+        for run, bm, nsub, w in gathers:
+            npg = bm * nsub
+            out = torch.empty(triton.cdiv(NP, npg), device="cuda")
+            for name, table in (("shuffled", bt), ("identity", ident)):
+                us = timed(lambda: _gather_kernel[(out.numel(),)](table, meta, out, NP, E=E, RUN=run, BLOCK_M=bm,
+                                                                   NSUB=nsub, num_warps=w))
+                line(cname, f"gather {name} run {run} x {bm} pages x {nsub}, {w} warps", us, used)
+        if HQ == H:
+            k_pages, W = T.topk_width(M, cache.page_size, 1024, 0, 0)
+            cfg = T.topk_plan(M, W, 1, D, q.dtype, cache.dtype, B * H, num_sms(q.device), cap=T.SELECT_CH)
+            MK = cfg["NCH"] * cfg["CH"]
+            keys = torch.empty(B * H * MK, dtype=torch.int32, device="cuda")
+            sl = as_slopes(None, HQ, q.device)
+            scale = D ** -0.5
+            us = timed(lambda: T.launch_keys(q, sl, ids, cache, keys, None, MK, scale, 0, 0, k_pages,
+                                             has_alibi=False))
+            line(cname, "topk._keys_kernel (select_topk's launch)", us, used)
+        del cache, meta
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
