@@ -27,17 +27,7 @@ import triton
 import triton.language as tl
 
 from bench_decode import CONFIGS, build, capture, time_graph
-
-
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    """Largest of STEPS * BLOCK contiguous values per program."""
-    i = tl.program_id(0).to(tl.int64)
-    acc = tl.full([BLOCK], float("-inf"), tl.float32)
-    for s in range(STEPS):
-        o = (i * STEPS + s) * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, tl.load(x_ptr + o, mask=o < N, other=0.0).to(tl.float32))
-    tl.store(out_ptr + i, tl.max(acc, axis=0))
+from tune_keys import _read_kernel  # the plain contiguous read (a running max)
 
 
 @triton.jit
