@@ -536,6 +536,17 @@ def _iterate(part_ptr, state_ptr, r, it, R, beta, NCH: tl.constexpr, NCH_P2: tl.
 
 
 @triton.jit
+def _pages4(n, P: tl.constexpr):
+    """Pages holding the row's n tokens, rounded up to 4: a mask at this bound
+    allows 16-byte vector loads of mu, sigma (the stats kernel wrote 0 on every
+    page past the length). Masked page by page instead, each thread's four
+    scalar loads strided the warp over 4x the sectors (the selection launch at
+    8x1M: 71% excess sectors, 48.6 us; 0% and 44.3 us with this bound;
+    results/ncu_gaussian.log)."""
+    return tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
+
+
+@triton.jit
 def _load_mu_sg(mu_ptr, sg_ptr, i_r, o_m, M, lim):
     """mu, sigma of pages o_m < min(M, lim) of query-head row i_r (0 elsewhere)."""
     m_v = (o_m < M) & (o_m < lim)
@@ -608,9 +619,7 @@ def _iter_kernel(
     i_c = tl.program_id(1)
     seq = tl.load(ids_ptr + i_r // HQ).to(tl.int64)
     n = tl.load(lens_ptr + seq)
-    # pages holding tokens, rounded up to 4 so that the mask allows vector loads
-    # (the stats kernel wrote mu = sigma = 0 on every page past the length)
-    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
+    npg4 = _pages4(n, P)
     o_0 = i_c * CH + tl.arange(0, BLOCK)
     if FIRST:  # state 0 (_start_kernel): F at tau_0 (and, with TWO, at the pooled start)
         p_s = state_ptr + i_r * 4
@@ -663,22 +672,17 @@ def _select_kernel(
     o_m = i_c * BLOCK + tl.arange(0, BLOCK)
     n_tok = tl.minimum(tl.maximum(n - o_m * P, 0), P)
     m_v = (o_m < M) & (n_tok > 0)
-    # mu, sigma masked at the page count rounded up to 4 (the stats kernel
-    # wrote 0 past the length) so that the loads are 16-byte vectors: masked
-    # page by page, each thread's four scalar loads strided the warp over 4x
-    # the sectors (ncu at 8x1M: 71% excess sectors, 48.6 us; 0% and 44.3 us
-    # now; results/ncu_gaussian.log)
-    npg4 = tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
-    m_ld = (o_m < M) & (o_m < npg4)
+    m_ld = (o_m < M) & (o_m < _pages4(n, P))  # (vector loads, see _pages4)
     if NG == 1:  # 1-D (a [1, BLOCK] tile measured 52.7 us against 48.6 before the mask change)
         o_row = (i_b * HQ + h0).to(tl.int64) * M
         b_mu = tl.load(mu_ptr + o_row + o_m, mask=m_ld, other=0.0)
         b_sg = tl.load(sg_ptr + o_row + o_m, mask=m_ld, other=0.0)
     else:
         m_2 = m_g[:, None] & m_v[None, :]
+        m_ld2 = m_g[:, None] & m_ld[None, :]
         o_rows = (i_b * HQ + h0 + o_g).to(tl.int64) * M
-        b_mu = tl.load(mu_ptr + o_rows[:, None] + o_m[None, :], mask=m_g[:, None] & m_ld[None, :], other=0.0)
-        b_sg = tl.load(sg_ptr + o_rows[:, None] + o_m[None, :], mask=m_g[:, None] & m_ld[None, :], other=0.0)
+        b_mu = tl.load(mu_ptr + o_rows[:, None] + o_m[None, :], mask=m_ld2, other=0.0)
+        b_sg = tl.load(sg_ptr + o_rows[:, None] + o_m[None, :], mask=m_ld2, other=0.0)
     b_z = tl.load(z_ptr + n_tok, mask=m_v, other=0.0)
     # -- tau_hat of each head of the row (same value in every program)
     b_tau = tl.zeros([BLOCK_G], tl.float32)
