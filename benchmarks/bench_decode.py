@@ -23,6 +23,8 @@ Usage (on the GPU machine, from the repository root):
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results
     PYTHONPATH=. python benchmarks/bench_decode.py --configs paper_32k --methods full_softmax,sdpa
+    PYTHONPATH=. python benchmarks/bench_decode.py --configs paper_1m --methods gaussian \
+        --set "attention.SPLIT_MIN_TOKENS={False: 512, True: 4096}"   # an A/B variant of a kernel knob
 """
 from __future__ import annotations
 
@@ -259,7 +261,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--check", action="store_true", help="compare outputs with a float32 reference")
     ap.add_argument("--out", default=None, help="folder for bench_decode.json / .png")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="override a knob of entmaxkv.kernels.MODULE first (A/B runs), e.g. "
+                         "attention.PREFETCH_PAGES=False; recorded in the JSON")
     args = ap.parse_args(argv)
+    set_knobs(args.set)
 
     from entmaxkv import kernels as K
 
@@ -271,7 +277,8 @@ def main(argv=None):
         triton=__import__("triton").__version__, python=platform.python_version(),
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         command="PYTHONPATH=. python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-        copy_bandwidth_Bps=COPY_BW, timing="CUDA-graph replay, CUDA events, L2 flushed before each timed replay, "
+        knobs=args.set, copy_bandwidth_Bps=COPY_BW,
+        timing="CUDA-graph replay, CUDA events, L2 flushed before each timed replay, "
         f"{args.warmup} warm-ups, median of {args.reps}",
     )
     for cname in args.configs.split(","):
