@@ -672,14 +672,12 @@ def _select_kernel(
     o_m = i_c * BLOCK + tl.arange(0, BLOCK)
     n_tok = tl.minimum(tl.maximum(n - o_m * P, 0), P)
     m_v = (o_m < M) & (n_tok > 0)
-    m_ld = (o_m < M) & (o_m < _pages4(n, P))  # (vector loads, see _pages4)
+    npg4 = _pages4(n, P)  # (vector loads, see _pages4)
     if NG == 1:  # 1-D (a [1, BLOCK] tile measured 52.7 us against 48.6 before the mask change)
-        o_row = (i_b * HQ + h0).to(tl.int64) * M
-        b_mu = tl.load(mu_ptr + o_row + o_m, mask=m_ld, other=0.0)
-        b_sg = tl.load(sg_ptr + o_row + o_m, mask=m_ld, other=0.0)
+        b_mu, b_sg = _load_mu_sg(mu_ptr, sg_ptr, (i_b * HQ + h0).to(tl.int64), o_m, M, npg4)
     else:
         m_2 = m_g[:, None] & m_v[None, :]
-        m_ld2 = m_g[:, None] & m_ld[None, :]
+        m_ld2 = m_g[:, None] & ((o_m < M) & (o_m < npg4))[None, :]
         o_rows = (i_b * HQ + h0 + o_g).to(tl.int64) * M
         b_mu = tl.load(mu_ptr + o_rows[:, None] + o_m[None, :], mask=m_ld2, other=0.0)
         b_sg = tl.load(sg_ptr + o_rows[:, None] + o_m[None, :], mask=m_ld2, other=0.0)
