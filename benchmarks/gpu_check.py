@@ -79,10 +79,33 @@ def main(argv=None):
             run_case(case_i, dtype, D, H, G, P, K, report)
         except Exception as exc:  # noqa: BLE001  (a compile error must not hide the other cases)
             report(f"case {case_i} {dtype} D{D} H{H}G{G} P{P}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
+    try:
+        check_dense_one_head(K, report, dims)
+    except Exception as exc:  # noqa: BLE001
+        report("dense one-head sweep", False, f"{type(exc).__name__}: {str(exc)[:300]}")
     print(f"\n{n_cases - len(fails)}/{n_cases} checks passed in {time.time() - t0:.0f}s")
     for f in fails[:40]:
         print("  " + f)
     return 1 if fails else 0
+
+
+def check_dense_one_head(K, report, dims):
+    """The dense one-head entmax pass (software-pipelined, its tile set by row
+    count: attention.DENSE_ENTMAX_PIPE) over every dtype and head dim, with
+    fewer rows than multiprocessors and with more (its two plans)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for dtype, D in itertools.product([torch.float16, torch.bfloat16, torch.float32], dims):
+        for H, lens in ((2, [2500, 700, 19]), (-(-sms // 3) + 1, [1200, 333, 16])):
+            cache, ids, q = make(lens, H, 1, D, 16, dtype, seed=D + H)
+            scale = 1.0 / math.sqrt(D)
+            for alpha in (1.5, 2.0):
+                o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale)
+                full = RP.select(RP.Full(), q, cache, ids, alpha=alpha, scale=scale)
+                ro, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=scale)
+                e, te = rel(o, ro), float((tau.double() - rtau).abs().max())
+                report(f"dense one-head a{alpha} {str(dtype)[6:]} D{D} rows {len(lens) * H}",
+                       e < TOL[dtype] and te < 1e-4, f"rel {e:.1e} tau {te:.1e}")
+            del cache
 
 
 def run_case(case_i, dtype, D, H, G, P, K, report):

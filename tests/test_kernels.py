@@ -101,6 +101,22 @@ def test_dense_attend_matches_reference(alpha, dtype, G, P, D, slopes):
     assert (tau.double() - rtau).abs().max() < 1e-5
 
 
+def test_split_loop_pipelined_only_for_dense_one_head_entmax():
+    """Only the dense one-head entmax walk gets a pipelined loop (tl.range
+    num_stages, DENSE_ENTMAX_PIPE by row count); page lists, softmax and the
+    tl.dot paths keep none (measured slower with it). The interpreter runs the
+    pipelined loop in the dense tests above."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    dev = torch.device("cpu")  # 4 multiprocessors on the interpreter
+    for rows, many in ((1, False), (8, True)):
+        cfg = A._plan(rows, 1, 1, 32, 64, 16, dev, False, 2, dense=True)
+        _, warps, stages = A.DENSE_ENTMAX_PIPE[many]
+        assert (cfg["LOOP_STAGES"], cfg["num_warps"]) == (stages, warps)
+        assert cfg["LOOP_STAGES"] is not None
+    for NG, softmax, dense in ((1, False, False), (1, True, True), (1, True, False), (4, False, True), (4, True, True)):
+        assert A._plan(8, 1, NG, 32, 64, 16, dev, softmax, 2, dense=dense)["LOOP_STAGES"] is None
+
+
 def _one_split_per_row(monkeypatch, cache, G):
     """Every split-count knob of the entmax pass set to 1 (one wave factor
     per path), checked: the dense walk of this cache runs one split per row."""

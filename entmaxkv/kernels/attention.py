@@ -113,6 +113,20 @@ PREFETCH_PAGES = True
 # 0.140 ms, 4 x 128k unchanged (0.449 / 0.452 ms); dense tl.dot softmax, with
 # its own blocks (DOT_SOFTMAX_DENSE_FACTOR), 0.148 -> 0.143 ms at 4 x 32k.
 DENSE_PREFETCH = {(False, True): True, (False, False): False, (True, True): True, (True, False): True}
+# The dense one-head entmax pass, (BLOCK_T, warps, loop stages) keyed by
+# "at least as many rows as SMs". Its loop is software-pipelined (tl.range
+# num_stages): Triton pipelines the loads of a loop without a tl.dot only when
+# the loop carries that attribute, and then stages the K tiles (and the
+# block-table loads they hang on) through shared memory, with no K tile held
+# in registers ahead of its use. Measured on the H200 (whole steps, CUDA
+# graphs, results/experiments.log 2026-12-01 fourth session): 8 x 32k /
+# 8 x 128k / 8 x 1M 0.190 / 0.646 / 4.94 ms unpipelined -> 0.139 / 0.456 /
+# 3.39 ms with 512 x 8 warps x 2 stages; 1 x 2M 1.40-1.55 -> 0.923 ms with
+# those, 0.885 ms with 256 x 4 warps x 3 stages. The same attribute on the
+# page-list passes (one head, with or without the page-id prefetch) and on
+# the dense softmax pass measured slower (Gaussian 8 x 128k 0.256 -> 0.288 ms,
+# dense softmax 0.764 -> 0.836 ms), so those loops keep no attribute.
+DENSE_ENTMAX_PIPE = {True: (512, 8, 2), False: (256, 4, 3)}
 # Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
 TUNE: dict = {}
 # Programs per multiprocessor the split count aims for (may be fractional:
@@ -180,12 +194,12 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     """Block sizes and split count from shapes only (graph-capturable)."""
     # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
-    # (over a selection's page list too), 3 stages; tl.dot path, d 128 bf16: softmax 32 x 4 warps
-    # x 6 stages (dense: 32 x 2 warps x 4 stages, 3.88 per SM), entmax (K only) 128 x 4 warps x 3
-    # stages at 2 programs per SM.
-    # Deep pipelines of small tiles
-    # win there; the stage count is capped so the buffers stay within
-    # ~160 KB of shared memory for any head dim and dtype.
+    # through a selection's page list (dense: DENSE_ENTMAX_PIPE), 3 stages;
+    # tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages (dense: 32 x 2
+    # warps x 4 stages, 3.88 per SM), entmax (K only) 128 x 4 warps x 3 stages
+    # at 2 programs per SM. Deep pipelines of small tiles win there; the stage
+    # count is capped so the buffers stay within ~160 KB of shared memory for
+    # any head dim and dtype.
     use_dot = NG >= 2
     block_d = next_pow2(D)
     if use_dot:
@@ -210,6 +224,11 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         stages = 3
     rows = B * S
     many = rows >= num_sms(device)
+    loop_stages = None  # tl.range num_stages of the split loop (None: not pipelined)
+    if not use_dot and not softmax and dense:
+        # (tiles measured at d 32; larger head dims keep the tile's elements)
+        pipe_t, warps, loop_stages = DENSE_ENTMAX_PIPE[many]
+        block_t = max(16, pipe_t * 32 // max(32, block_d))
     if use_dot:
         factor = DOT_SOFTMAX_DENSE_FACTOR if dense else DOT_SOFTMAX_LIST_FACTOR
     elif not softmax and dense and many:
@@ -238,7 +257,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     path = ("dot_folded" if fold else "dot_rows") if use_dot else "one_head"  # the LB_MODE key
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, R=NG if fold else block_g, BLOCK_D=block_d, BLOCK_T=block_t,
                 NSPLIT=nsplit, MIN_PER=min_per, PREFETCH=prefetch, PATH=path, num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, LOOP_STAGES=loop_stages)
 
 
 def _max_share(W: int, nsplit: int, min_per: int) -> int:
@@ -417,7 +436,7 @@ def _split_kernel(
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, LB_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (batch row, selection head, split): scores of a share of the kept tokens.
 
@@ -504,7 +523,7 @@ def _split_kernel(
 
     if PREFETCH:  # the first tile's pages; later tiles' are loaded one tile ahead
         i_row, pos, m_tok, phys = _tile_pages(t_lo, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
-    for t0 in range(t_lo, t_hi, BLOCK_T):
+    for t0 in tl.range(t_lo, t_hi, BLOCK_T, num_stages=LOOP_STAGES):
         if not PREFETCH:
             i_row, pos, m_tok, phys = _tile_pages(t0, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
         o_k = phys * stride_kp + kvh * stride_kh + i_row * stride_kr
@@ -974,7 +993,7 @@ def _run(
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
+        LOOP_STAGES=cfg["LOOP_STAGES"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
         block_k = max(4, 2048 // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
