@@ -100,8 +100,9 @@ VACC_LARGE_D = (32, 1, False)
 # pays on every path (paper 8 x 128k certified 1045 -> 755 us, Gaussian
 # 403 -> 328 us; GQA 4 x 32k certified 222 -> 195 us), and for the dense
 # one-head softmax (790 -> 765 us); it costs the dense one-head entmax pass
-# (paper 8 x 128k 693 -> 977 us, held registers), which keeps the loads at
-# the top of the tile. (The dense tl.dot passes: DENSE_PREFETCH below.)
+# (paper 8 x 128k 693 -> 977 us, held registers), which Triton's pipeliner
+# serves instead (DENSE_ENTMAX_PIPE). (The dense tl.dot passes:
+# DENSE_PREFETCH below.)
 # False: never.
 PREFETCH_PAGES = True
 # Walks over every page (no page list) prefetch by path, keyed (tl.dot path,
