@@ -451,6 +451,9 @@ def _split_kernel(
     program compacts its region in place into a list (one prefix sum per
     *row*, a handful, instead of one per tile) and writes its length to
     cn[r * NSPLIT + split], so later passes read only real candidates.
+
+    LOOP_STAGES: num_stages of the tile loop's tl.range (None: Triton does
+    not software-pipeline a loop without tl.dot; DENSE_ENTMAX_PIPE).
     """
     pdl_start(PDL)
     i_r = tl.program_id(0)
