@@ -89,6 +89,16 @@ def main(argv=None):
     return 1 if fails else 0
 
 
+def check_dense(K, report, name, q, cache, ids, alpha, scale, slopes):
+    """Dense decode (``K.dense_attend``) against the reference over every page:
+    output within the dtype's tolerance, tau within 1e-4."""
+    o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+    full = RP.select(RP.Full(), q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+    ro, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=scale, slopes=slopes)
+    e, te = rel(o, ro), float((tau.double() - rtau).abs().max())
+    report(name, e < TOL[q.dtype] and te < 1e-4, f"rel {e:.1e} tau {te:.1e}")
+
+
 def check_dense_one_head(K, report, dims):
     """The dense one-head entmax pass (software-pipelined, its tile set by row
     count: attention.DENSE_ENTMAX_PIPE) over every dtype and head dim, with
@@ -99,12 +109,8 @@ def check_dense_one_head(K, report, dims):
             cache, ids, q = make(lens, H, 1, D, 16, dtype, seed=D + H)
             scale = 1.0 / math.sqrt(D)
             for alpha in (1.5, 2.0):
-                o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale)
-                full = RP.select(RP.Full(), q, cache, ids, alpha=alpha, scale=scale)
-                ro, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=scale)
-                e, te = rel(o, ro), float((tau.double() - rtau).abs().max())
-                report(f"dense one-head a{alpha} {str(dtype)[6:]} D{D} rows {len(lens) * H}",
-                       e < TOL[dtype] and te < 1e-4, f"rel {e:.1e} tau {te:.1e}")
+                check_dense(K, report, f"dense one-head a{alpha} {str(dtype)[6:]} D{D} rows {len(lens) * H}",
+                            q, cache, ids, alpha, scale, None)
             del cache
 
 
@@ -131,11 +137,7 @@ def run_case(case_i, dtype, D, H, G, P, K, report):
         report(f"gaussian_stats {tag}", e < 1e-5, f"rel {e:.1e}")
         # -- attention, dense and sparse, several alphas
         for alpha in (1.0, 1.5, 2.0, 1.25):
-            o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
-            full = RP.select(RP.Full(), q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
-            ro, rtau = RA.attend(q64, cache, ids, full, alpha=alpha, scale=scale, slopes=slopes)
-            e, te = rel(o, ro), float((tau.double() - rtau).abs().max())
-            report(f"dense a{alpha} {tag}", e < TOL[dtype] and te < 1e-4, f"rel {e:.1e} tau {te:.1e}")
+            check_dense(K, report, f"dense a{alpha} {tag}", q, cache, ids, alpha, scale, slopes)
             for pol in (RP.TopK(256), RP.TopK(128, sinks=1, window=2, per_query_head=True)):
                 sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
                 rsel = RP.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)

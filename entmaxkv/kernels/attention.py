@@ -203,6 +203,9 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
     # any head dim and dtype.
     use_dot = NG >= 2
     block_d = next_pow2(D)
+    rows = B * S
+    many = rows >= num_sms(device)
+    loop_stages = None  # tl.range num_stages of the split loop (None: not pipelined)
     if use_dot:
         block_g = max(16, next_pow2(NG))
         block_d = max(16, block_d)
@@ -219,17 +222,13 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         block_g = 1
         if softmax:
             block_t, warps = max(16, min(256, 8192 // block_d)), 4
-        else:  # dense or through a page list (with the page-id prefetch: results/tune_list_ab.log,
+        elif dense:  # software-pipelined (tiles measured at d 32; larger head dims keep the tile's elements)
+            pipe_t, warps, loop_stages = DENSE_ENTMAX_PIPE[many]
+            block_t = max(16, pipe_t * 32 // max(32, block_d))
+        else:  # through a page list (with the page-id prefetch: results/tune_list_ab.log,
             # paper 8 x 128k certified / Gaussian 757 / 328 us with 256 x 8, 615 / 304 us with 512 x 8)
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
         stages = 3
-    rows = B * S
-    many = rows >= num_sms(device)
-    loop_stages = None  # tl.range num_stages of the split loop (None: not pipelined)
-    if not use_dot and not softmax and dense:
-        # (tiles measured at d 32; larger head dims keep the tile's elements)
-        pipe_t, warps, loop_stages = DENSE_ENTMAX_PIPE[many]
-        block_t = max(16, pipe_t * 32 // max(32, block_d))
     if use_dot:
         factor = DOT_SOFTMAX_DENSE_FACTOR if dense else DOT_SOFTMAX_LIST_FACTOR
     elif not softmax and dense and many:
