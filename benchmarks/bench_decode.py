@@ -75,10 +75,16 @@ def set_knobs(items):
     tuning script's --set options; VALUE is a Python literal), echoing each."""
     import importlib
 
+    import triton.language as tl
+
     for item in items:
         target, value = item.split("=", 1)
         mod, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(f"entmaxkv.kernels.{mod}"), name, eval(value))  # noqa: S307
+        module = importlib.import_module(f"entmaxkv.kernels.{mod}")
+        new = eval(value)  # noqa: S307
+        if isinstance(getattr(module, name, None), tl.constexpr):  # a global read inside kernels stays constexpr
+            new = tl.constexpr(new)
+        setattr(module, name, new)
         print(f"# {target} = {value}")
 
 

@@ -50,8 +50,6 @@ The pooled solve (scalar) uses the same formulas in float64.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 import triton.language as tl
@@ -184,18 +182,35 @@ def z_table(q_max: float, P: int, device) -> torch.Tensor:
 # relative error 1.1e-8 (float32 coefficient rounding and Horner add a few 1e-7).
 # Every coefficient is positive, so Horner cannot cancel; p / q -> 3 / x like rho_3.
 _XMAX = tl.constexpr(14.5)  # phi(14.5) = 1.3e-46: beyond it the float32 terms are exactly 0
-# float32 a / b as div.approx.f32 (rcp + mul, <= 2 ulp for |b| in [2^-126, 2^126],
-# the same bound as the default div.full.f32 without its range fix-ups) where
-# this Triton has it; both divisors here stay inside that range.
-_APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).parameters)
+# float32 a / b in the per-page terms as div.approx.ftz.f32: MUFU.RCP and one
+# multiply, <= 2 ulp for |b| in [2^-126, 2^126] (both divisors here stay
+# inside that range; a subnormal quotient flushes to 0, far below the terms'
+# 5e-7 error). Triton's own float32 division is div.full.f32 (Triton 3.6) or
+# div.approx.f32 (tl.math.fdiv approx), ~8 SASS instructions each with their
+# range and subnormal fix-ups: 2 of the 71 instructions per page of the
+# iteration loop were 16 (sm_90, beta = 2: 570 -> 473 per 8 pages). Inline
+# PTX needs a CUDA GPU: the CPU interpreter (and ROCm) divide plainly.
+_FAST_DIV = tl.constexpr(not interpreting() and torch.version.hip is None)
 
 
 @triton.jit
 def _div(a, b, F64: tl.constexpr):
-    if F64 or not _APPROX_DIV:
+    if F64 or not _FAST_DIV:
         return a / b
     else:
-        return tl.math.fdiv(a, b, approx=True)
+        return tl.inline_asm_elementwise("div.approx.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rcp(b, F64: tl.constexpr):
+    """1 / b, as rcp.approx.ftz.f32 on the GPU (``_div(1.0, b)`` leaves a
+    multiply by one behind)."""
+    if F64 or not _FAST_DIV:
+        return 1.0 / b
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -215,7 +230,7 @@ def _mills(x, F64: tl.constexpr):
     b3 = x * q + p
     b2 = x * b3 + 2.0 * q
     b1 = x * b2 + b3
-    inv = _div(1.0, b1, F64)  # b1 in [1.59, 3.7e6]
+    inv = _rcp(b1, F64)  # b1 in [1.59, 3.7e6]
     return b2 * inv, b3 * inv, 2.0 * q * inv, 2.0 * p * inv
 
 
