@@ -97,15 +97,17 @@ MIN_CH = 128
 # chunk (up to MAX_CH) that still gives ITER_PER_SM programs per SM. Every
 # program of an iteration launch merges all NCH partials of its row in its
 # float64 prologue, so fewer, longer chunks pay less (8x1M: 4096 pages
-# 646 -> 616 us for the whole selection) until the SMs run short of
-# programs (4x32k GQA, 128 rows: 2048 pages 36.7 us, 1024 pages 32.8 us;
-# results/tune_iter.log). The selection launch, whose programs merge no
-# partials, tests one block of at most SEL_CH pages and 4096 page-heads
-# (1024: 8x1M 59 -> 47 us, 4x32k GQA 7.0 -> 4.6 us against 2048 in two
-# blocks; 2048 in one block 47-52 us, 4096 slower everywhere;
-# results/gaussian_launches.log).
-MAX_CH = 4096
-ITER_PER_SM = 1
+# 646 -> 616 us for the whole selection; 8192: its iteration launches
+# 88.4 -> 78.6 us, 8x512k 48.9 -> 43.6 us, GQA 4x512k 37.7 -> 32.1 us)
+# until the SMs run short of programs (4x32k GQA, 128 rows: 2048 pages
+# 36.7 us, 1024 pages 32.8 us; 8x128k, 192 rows: 8192 pages 21.7 us, 4096
+# pages 18.2 us; results/tune_iter.log). The selection
+# launch, whose programs merge no partials, tests one block of at most
+# SEL_CH pages and 4096 page-heads (1024: 8x1M 59 -> 47 us, 4x32k GQA
+# 7.0 -> 4.6 us against 2048 in two blocks; 2048 in one block 47-52 us,
+# 4096 slower everywhere; results/gaussian_launches.log).
+MAX_CH = 8192
+ITER_PER_SM = 1.5
 ITER_WARPS = 4
 SEL_CH = 1024
 # Pages per block (one load and one register tile) of the iteration chunks;
