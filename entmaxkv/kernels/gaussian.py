@@ -94,19 +94,22 @@ STATS_TUNE = (True, 32, 1, None, 32)
 DOT_STATS_TUNE = (32, 2, 6, 16)
 MIN_CH = 128
 # Pages per program of the iteration and selection launches: the longest
-# chunk (up to MAX_CH) that still gives ITER_PER_SM programs per SM. Every
+# chunk (up to MAX_CH, keyed by whether the B*HQ query-head rows are at least
+# as many as SMs) that still gives ITER_PER_SM programs per SM. Every
 # program of an iteration launch merges all NCH partials of its row in its
 # float64 prologue, so fewer, longer chunks pay less (8x1M: 4096 pages
 # 646 -> 616 us for the whole selection; 8192: its iteration launches
-# 88.4 -> 78.6 us, 8x512k 48.9 -> 43.6 us, GQA 4x512k 37.7 -> 32.1 us)
-# until the SMs run short of programs (4x32k GQA, 128 rows: 2048 pages
-# 36.7 us, 1024 pages 32.8 us; 8x128k, 192 rows: 8192 pages 21.7 us, 4096
-# pages 18.2 us; results/tune_iter.log). The selection
+# 88.4 -> 79.2 us and the whole step 0.665 -> 0.654 ms, 8x512k 0.409 ->
+# 0.403 ms) until the SMs run short of programs (4x32k GQA, 128 rows: 2048
+# pages 36.7 us, 1024 pages 32.8 us; 8x128k, 192 rows: 8192 pages 21.7 us,
+# 4096 pages 18.2 us; results/tune_iter.log). With few rows 8192 made the
+# launches no slower but the captured step slower (1x2M 0.198 -> 0.203 ms,
+# GQA 4x512k 0.444 -> 0.446): they keep 4096. The selection
 # launch, whose programs merge no partials, tests one block of at most
 # SEL_CH pages and 4096 page-heads (1024: 8x1M 59 -> 47 us, 4x32k GQA
 # 7.0 -> 4.6 us against 2048 in two blocks; 2048 in one block 47-52 us,
 # 4096 slower everywhere; results/gaussian_launches.log).
-MAX_CH = 8192
+MAX_CH = {False: 4096, True: 8192}
 ITER_PER_SM = 1.5
 ITER_WARPS = 4
 SEL_CH = 1024
@@ -120,8 +123,8 @@ def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms
     """Launch plan for ``rows`` = B*H KV rows of NG query heads, M pages.
 
     CH pages per program of the iteration and selection launches: up to
-    MAX_CH, halved (not below 1024) while the rows * NG query-head rows
-    would give fewer than ITER_PER_SM programs per SM. CHS <= CH pages per
+    MAX_CH[rows * NG >= sms], halved (not below 1024) while the rows * NG
+    query-head rows would give fewer than ITER_PER_SM programs per SM. CHS <= CH pages per
     program of the stats launch, halved (not below MIN_CH) until its
     programs hold the tuned warps per SM: 4 x 32k GQA rows are 32 rows of
     2048 pages, one chunk each kept 100 of 132 SMs idle (68 us; 20 us at
@@ -140,7 +143,8 @@ def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms
         stages = max(2, min(stages, (128 << 10) // per_stage))
     if interpreting():
         sbm = min(sbm, 64)
-    ch = max(block_m, sbm, min(256 if interpreting() else MAX_CH, next_pow2(M)))
+    many = rows * NG >= sms
+    ch = max(block_m, sbm, min(256 if interpreting() else MAX_CH[many], next_pow2(M)))
     while ch > max(block_m, sbm, 1024) and rows * NG * cdiv(M, ch) < ITER_PER_SM * sms:
         ch //= 2
     chs = ch
