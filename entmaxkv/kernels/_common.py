@@ -24,6 +24,11 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 # between the step's dependent launches. Off on the interpreter, before
 # Hopper and when Triton lacks it; tests and benchmarks switch it.
 PDL = True
+# Memory order of the selections' atomics (a row's page-count reservation,
+# the certificate's violation flag). Nothing in the same launch reads what
+# they order; later launches see every write at the kernel boundary. Triton's
+# default (acq_rel) put a MEMBAR.GPU before each of them.
+ATOMIC_SEM = tl.constexpr("relaxed")
 
 
 def launch_opts(device: torch.device) -> dict:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..policies import TopK
 from ..types import Selection
-from ._common import launch_opts, next_pow2, pdl_start
+from ._common import ATOMIC_SEM, launch_opts, next_pow2, pdl_start
 from .attention import selection_tau
 from .scoring import bounds_with_slack, prep_query
 from .topk import select_topk
@@ -89,7 +89,7 @@ def _augment_kernel(ubs_ptr, mask_ptr, tau_ptr, ids_ptr, lens_ptr, pages_ptr, co
         keep = keep | (tl.max(unsafe, axis=0) > 0)
     keep = keep & m_v
     f_keep = keep.to(tl.int32)
-    base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0))
+    base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0), sem=ATOMIC_SEM)  # (as in the Gaussian selection)
     i_out = base + tl.cumsum(f_keep, axis=0) - 1
     tl.store(pages_ptr + i_r.to(tl.int64) * M + i_out, o_m, mask=keep)
 
@@ -118,7 +118,7 @@ def _certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_ptr,
             b_ub += tl.load(slack_ptr + o_u, mask=left, other=0.0)
         tau = tl.load(tau_ptr + i_r)
         viol = left & (am1 * b_ub > tau)
-    tl.atomic_max(viol_ptr + i_r, tl.max(viol.to(tl.int32), axis=0))
+    tl.atomic_max(viol_ptr + i_r, tl.max(viol.to(tl.int32), axis=0), sem=ATOMIC_SEM)
 
 
 # ---------------------------------------------------------------------------

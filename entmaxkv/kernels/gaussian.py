@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
+from ._common import ATOMIC_SEM, as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
 from .scoring import gauss_of, kv_row, load_moments, meta_strides, page_rows, prep_query, score_plan
 
 # Halley iterations of the page-mixture solve (one launch each; a launch
@@ -725,7 +725,9 @@ def _select_kernel(
         keep = tl.max(hit.to(tl.int32), axis=0) > 0
     keep = (keep | (o_m < sinks) | (o_m >= npages - tl.maximum(window, 1))) & m_v
     f_keep = keep.to(tl.int32)
-    base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0))
+    # relaxed: the atomic only reserves this block's slots in the row's list, which
+    # later launches read (the default acq_rel put a MEMBAR.GPU before it)
+    base = tl.atomic_add(counts_ptr + i_r, tl.sum(f_keep, axis=0), sem=ATOMIC_SEM)
     i_out = base + tl.cumsum(f_keep, axis=0) - 1
     tl.store(pages_ptr + i_r.to(tl.int64) * M + i_out, o_m, mask=keep)
 
