@@ -435,6 +435,25 @@ def test_gaussian_select_several_blocks_per_chunk(slopes, monkeypatch):
     _check_gaussian_select(1.5, False, False, slopes)
 
 
+@pytest.mark.parametrize("B,H,n,ch", [
+    (8, 24, 1 << 20, 8192),  # paper 8 x 1M: 192 rows >= SMs, 8 chunks of 8192 pages
+    (8, 24, 1 << 19, 8192),
+    (8, 24, 1 << 17, 4096),  # one 8192-page chunk per row would leave 192 programs < 1.5 per SM
+    (8, 24, 1 << 15, 1024),
+    (1, 24, 1 << 21, 4096),  # 1 x 2M: 24 rows < SMs keep 4096-page chunks
+], ids=["8x1M", "8x512k", "8x128k", "8x32k", "1x2M"])
+def test_gaussian_iteration_chunks_by_rows(B, H, n, ch, monkeypatch):
+    """The GPU plan of the iteration chunks (interpreter cap off): the
+    longest chunk of MAX_CH[many rows] that keeps ITER_PER_SM programs per
+    SM, on an H200's 132 SMs."""
+    gk = importlib.import_module("entmaxkv.kernels.gaussian")
+    monkeypatch.setattr(gk, "interpreting", lambda: False)
+    M = n // 16
+    cfg = gk.gauss_plan(M, 1, 32, torch.float16, torch.float16, rows=B * H, sms=132)
+    assert cfg["CH"] == ch and cfg["NCH"] == -(-M // ch)
+    assert B * H * cfg["NCH"] >= gk.ITER_PER_SM * 132 or ch == 1024
+
+
 @pytest.mark.parametrize("G,D,dtype,prefetch", [
     (1, 24, torch.float16, False), (1, 24, torch.float16, True), (2, 40, torch.float32, True),
     (4, 16, torch.bfloat16, False),
