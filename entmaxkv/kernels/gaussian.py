@@ -124,11 +124,11 @@ def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms
 
     CH pages per program of the iteration and selection launches: up to
     MAX_CH[rows * NG >= sms], halved (not below 1024) while the rows * NG
-    query-head rows would give fewer than ITER_PER_SM programs per SM. CHS <= CH pages per
-    program of the stats launch, halved (not below MIN_CH) until its
-    programs hold the tuned warps per SM: 4 x 32k GQA rows are 32 rows of
-    2048 pages, one chunk each kept 100 of 132 SMs idle (68 us; 20 us at
-    256 programs). The stats launch's block (SBLOCK_M pages, SNSUB blocks
+    query-head rows would give fewer than ITER_PER_SM programs per SM.
+    CHS <= CH pages per program of the stats launch, halved (not below
+    MIN_CH) until its programs hold the tuned warps per SM: 4 x 32k GQA
+    rows are 32 rows of 2048 pages, one chunk each kept 100 of 132 SMs idle
+    (68 us; 20 us at 256 programs). The stats launch's block (SBLOCK_M pages, SNSUB blocks
     per chunk), warps, stages and prefetch come from STATS_TUNE /
     DOT_STATS_TUNE."""
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
@@ -193,9 +193,10 @@ _XMAX = tl.constexpr(14.5)  # phi(14.5) = 1.3e-46: beyond it the float32 terms a
 # inside that range; a subnormal quotient flushes to 0, far below the terms'
 # 5e-7 error). Triton's own float32 division is div.full.f32 (Triton 3.6) or
 # div.approx.f32 (tl.math.fdiv approx), ~8 SASS instructions each with their
-# range and subnormal fix-ups: 2 of the 71 instructions per page of the
-# iteration loop were 16 (sm_90, beta = 2: 570 -> 473 per 8 pages). Inline
-# PTX needs a CUDA GPU: the CPU interpreter (and ROCm) divide plainly.
+# range and subnormal fix-ups: the 2 divisions took 16 of the 71
+# instructions per page of the iteration loop (sm_90, beta = 2; 570 -> 463
+# per 8 pages with these and _rcp; results/fast_div.log). Inline PTX needs
+# a CUDA GPU: the CPU interpreter (and ROCm) divide plainly.
 _FAST_DIV = tl.constexpr(not interpreting() and torch.version.hip is None)
 
 
