@@ -70,21 +70,26 @@ METHODS = {
 }
 
 
+def knob_value(module, name: str, text: str):
+    """The Python literal ``text`` as a value for the knob ``module.name``:
+    wrapped in tl.constexpr when the knob is one (a global read inside
+    kernels must stay constexpr)."""
+    import triton.language as tl
+
+    value = eval(text)  # noqa: S307  (a tuning script's own command line)
+    return tl.constexpr(value) if isinstance(getattr(module, name, None), tl.constexpr) else value
+
+
 def set_knobs(items):
     """Apply "MODULE.NAME=VALUE" overrides to entmaxkv.kernels.MODULE (a
     tuning script's --set options; VALUE is a Python literal), echoing each."""
     import importlib
 
-    import triton.language as tl
-
     for item in items:
         target, value = item.split("=", 1)
         mod, name = target.rsplit(".", 1)
         module = importlib.import_module(f"entmaxkv.kernels.{mod}")
-        new = eval(value)  # noqa: S307
-        if isinstance(getattr(module, name, None), tl.constexpr):  # a global read inside kernels stays constexpr
-            new = tl.constexpr(new)
-        setattr(module, name, new)
+        setattr(module, name, knob_value(module, name, value))
         print(f"# {target} = {value}")
 
 

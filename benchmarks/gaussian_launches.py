@@ -6,6 +6,9 @@
 Each variant is ``name[:KNOB=VALUE KNOB=VALUE ...]`` (no spaces inside a value), knobs of ``entmaxkv.kernels.gaussian``
 set for that variant only. "default" runs the module as it is; "conv0" never
 stops the tau_hat iteration early. Times are medians over ``--reps`` profiled calls.
+Knobs that kernels read as globals (tl.constexpr: _FAST_DIV, ATOMIC_SEM) cannot change
+after the first compile in a process (Triton refuses): time those in separate runs,
+e.g. ``bench_decode.py --set``.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_decode import CONFIGS, build
+from bench_decode import CONFIGS, build, knob_value
 from entmaxkv import Gaussian
 from entmaxkv import kernels as K
 from entmaxkv.kernels import _common
@@ -33,7 +36,7 @@ def parse_variants(text: str):
             k, v = kv.split("=", 1)
             if not hasattr(gk, k):
                 raise ValueError(f"--variants: gaussian has no knob {k!r}")
-            sets[k] = eval(v)  # noqa: S307  (a tuning script's own command line)
+            sets[k] = knob_value(gk, k, v)
         out.append((name, sets))
     return out
 
