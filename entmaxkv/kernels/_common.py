@@ -78,6 +78,24 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Inline PTX is available (CUDA, not the interpreter nor ROCm).
+INLINE_PTX = tl.constexpr(not interpreting() and torch.version.hip is None)
+
+
+@triton.jit
+def store_b32(ptr, val, mask, AS_IS: tl.constexpr):
+    """tl.store of 32-bit values; with AS_IS (and inline PTX) one st.global
+    per element in the layout ``val`` already has: Triton re-lays a store's
+    value out through shared memory (two barriers) when its layout does not
+    vectorise along the pointer's contiguous axis."""
+    if AS_IS and INLINE_PTX:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
+from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start, store_b32
 from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
@@ -57,6 +57,8 @@ PREFILTER = True
 # Groups per row behind the pre-filter's lower bound (_lb_kernel finds the
 # k-th largest of them: more groups, a tighter bound, a longer search).
 GMAX_GROUPS = 512
+# _keys_kernel stores its keys in the layout they are computed in.
+KEYS_AS_IS = True
 # Pages per _keys_kernel program.
 KEYS_CH = 32
 # Chunk kernel settings when it scores its own pages (GQA, per-query-head):
@@ -196,7 +198,7 @@ def _keys_kernel(
     M, MK, sinks, window, k_pages,
     H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
-    PDL: tl.constexpr,
+    AS_IS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
     (one query head per KV head): each page's metadata of HG heads is read as
@@ -258,7 +260,7 @@ def _keys_kernel(
         forced = (o_m < sinks) | (o_m >= npages - wnd)
         b_rank = tl.where(forced[:, None], float("inf"), b_u)
         b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
-        tl.store(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, mask=(o_m < MK)[:, None] & m_h[None, :])
+        store_b32(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, (o_m < MK)[:, None] & m_h[None, :], AS_IS)
 
 
 @triton.jit
@@ -502,7 +504,7 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
         M, MK, int(sinks), int(window), k_pages,
         H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
         BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, num_warps=kp["WARPS"], **opts,
+        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, AS_IS=KEYS_AS_IS, num_warps=kp["WARPS"], **opts,
     )
     return kp
 
