@@ -17,6 +17,20 @@ k_moments) the Gaussian stats pass must move:
 
 Prints microseconds and TB/s per line; the ceiling for the kernels of
 ``entmaxkv.kernels`` is the best gather line.
+
+With ``--kv`` it reads the K and V pages instead (the bytes of a dense
+decode step), next to the step of torch SDPA over the contiguous
+[B, H, n, D] copies and our dense softmax step, all in the same call:
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/read_ceiling.py --kv --configs gqa_128k,gqa_512k
+
+* contiguous Triton reads of the [B, H, n, D] copies of K and V;
+* whole pages (every KV head of a page: H * P * D values, one contiguous
+  run) gathered through the block table;
+* one KV head's run of each page (P * D values: what a program per KV head
+  reads), a row's pages in order for each head in turn.
+
+TB/s counts the K and V bytes of the batch (2 B H n D e) for every line.
 """
 from __future__ import annotations
 
@@ -57,12 +71,17 @@ def main(argv=None):
     ap.add_argument("--configs", default="paper_b1_2m,paper_1m")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer Triton variants")
+    ap.add_argument("--kv", action="store_true", help="read the K/V pages instead of the metadata")
     args = ap.parse_args(argv)
     from entmaxkv.kernels import topk as T
     from entmaxkv.kernels._common import as_slopes, num_sms
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.kv:
+        for cname in args.configs.split(","):
+            kv_ceiling(cname, args.reps, flush)
+        return
 
     def timed(fn):
         g, _ = capture(fn)
@@ -119,6 +138,56 @@ def main(argv=None):
             line(cname, "topk._keys_kernel (select_topk's launch)", us, used)
         del cache, meta
         torch.cuda.empty_cache()
+
+
+def kv_ceiling(cname: str, reps: int, flush: torch.Tensor, rounds: int = 2):
+    """The --kv lines of one configuration (see the module docstring)."""
+    import math
+
+    import entmaxkv.kernels as K
+    from bench_decode import make_step
+    from tune_keys import _read_kernel as read
+
+    def timed(fn):
+        g, _ = capture(fn)
+        ms, _ = time_graph(g, flush, 5, reps, warm_ms=50)
+        del g
+        return ms * 1e3
+
+    B, n, HQ, H, D, dtype, P = CONFIGS[cname]
+    cache, ids, q, k4, v4 = build(CONFIGS[cname])
+    M = cache.block_table.shape[1]
+    kp, vp = cache.k_pages, cache.v_pages
+    nb = 2 * B * H * n * D * k4.element_size()
+    bt = cache.block_table[ids.long()].reshape(-1).contiguous()  # [B * M] physical pages
+    # one KV head's run of each page as its own "page" of P * D values: rows (b, h), pages in order
+    bth = (bt.view(B, 1, M).long() * H + torch.arange(H, device="cuda").view(1, H, 1)).reshape(-1)
+    bth = bth.to(torch.int32).contiguous()
+    N = k4.numel()
+
+    def gather(table, e, run, bm, nsub, w):
+        npg = bm * nsub
+        out = torch.empty(triton.cdiv(table.numel(), npg), device="cuda")
+        src = (kp.view(-1, e), vp.view(-1, e))
+        return lambda: [_gather_kernel[(out.numel(),)](table, x, out, table.numel(), E=e, RUN=run, BLOCK_M=bm,
+                                                       NSUB=nsub, num_warps=w) for x in src]
+
+    for _ in range(rounds):
+        for meth in ("sdpa", "full_softmax"):
+            line(cname, f"step {meth}", timed(make_step(K, meth, cache, ids, q, k4, v4, 1 / math.sqrt(D))), nb)
+        for block, steps, w in ((2048, 8, 4), (4096, 8, 8), (2048, 16, 8)):
+            out = torch.empty(triton.cdiv(N, block * steps), device="cuda")
+            us = timed(lambda: [read[(out.numel(),)](x.view(-1), out, N, BLOCK=block, STEPS=steps, num_warps=w)
+                                for x in (k4, v4)])
+            line(cname, f"contiguous K, V {block} x {steps}, {w} warps", us, nb)
+        for run, bm, nsub, w in ((4096, 1, 4, 4), (4096, 1, 8, 8), (8192, 1, 4, 8), (4096, 2, 4, 8), (2048, 2, 8, 4)):
+            line(cname, f"whole pages run {run} x {bm} pages x {nsub}, {w} warps",
+                 timed(gather(bt, H * P * D, run, bm, nsub, w)), nb)
+        for run, bm, nsub, w in ((2048, 2, 8, 4), (2048, 4, 4, 4), (2048, 4, 8, 8), (2048, 8, 4, 8), (2048, 1, 16, 2)):
+            line(cname, f"one head per page run {run} x {bm} pages x {nsub}, {w} warps",
+                 timed(gather(bth, P * D, run, bm, nsub, w)), nb)
+    del cache, k4, v4
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
