@@ -55,7 +55,8 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import ATOMIC_SEM, as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start
+from ._common import (ATOMIC_SEM, INLINE_PTX, as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms,
+                      pdl_start)
 from .scoring import gauss_of, kv_row, load_moments, meta_strides, page_rows, prep_query, score_plan
 
 # Halley iterations of the page-mixture solve (one launch each; a launch
@@ -197,7 +198,7 @@ _XMAX = tl.constexpr(14.5)  # phi(14.5) = 1.3e-46: beyond it the float32 terms a
 # instructions per page of the iteration loop (sm_90, beta = 2; 570 -> 463
 # per 8 pages with these and _rcp; results/fast_div.log). Inline PTX needs
 # a CUDA GPU: the CPU interpreter (and ROCm) divide plainly.
-_FAST_DIV = tl.constexpr(not interpreting() and torch.version.hip is None)
+_FAST_DIV = INLINE_PTX
 
 
 @triton.jit
