@@ -62,6 +62,14 @@ def _gather_kernel(bt_ptr, x_ptr, out_ptr, NP, E: tl.constexpr, RUN: tl.constexp
     tl.store(out_ptr + i_c, tl.max(tl.max(acc, axis=1), axis=0))
 
 
+def timed(fn, flush: torch.Tensor, reps: int, warm_ms: float = 0.0) -> float:
+    """Median microseconds of ``fn`` captured in a CUDA graph (L2 flushed before each replay)."""
+    g, _ = capture(fn)
+    ms, _ = time_graph(g, flush, 5, reps, warm_ms=warm_ms)
+    del g
+    return ms * 1e3
+
+
 def line(cname, what, us, nbytes):
     print(f"{cname:12s} {what:48s} {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s", flush=True)
 
@@ -83,11 +91,8 @@ def main(argv=None):
             kv_ceiling(cname, args.reps, flush)
         return
 
-    def timed(fn):
-        g, _ = capture(fn)
-        ms, _ = time_graph(g, flush, 5, args.reps)
-        del g
-        return ms * 1e3
+    def us_of(fn):
+        return timed(fn, flush, args.reps)
 
     for cname in args.configs.split(","):
         cache, ids, q, k4, v4 = build(CONFIGS[cname])
@@ -102,7 +107,7 @@ def main(argv=None):
         used = B * M * E * meta.element_size()  # the pages the batch's block tables name
         print(f"## {cname}: table {nb / 2**20:.0f} MiB, {B} x {M} pages named ({used / 2**20:.0f} MiB), "
               f"{E} values per page", flush=True)
-        line(cname, "torch.sum (whole table)", timed(lambda: torch.sum(meta, dtype=torch.float32)), nb)
+        line(cname, "torch.sum (whole table)", us_of(lambda: torch.sum(meta, dtype=torch.float32)), nb)
         flat = meta.view(-1)
         N = flat.numel()
         reads = ((2048, 16, 8), (4096, 8, 8), (8192, 4, 8), (1024, 16, 4), (2048, 8, 4))
@@ -110,7 +115,7 @@ def main(argv=None):
             reads = reads[:2]
         for block, steps, w in reads:
             out = torch.empty(triton.cdiv(N, block * steps), device="cuda")
-            us = timed(lambda: _read_kernel[(out.numel(),)](flat, out, N, BLOCK=block, STEPS=steps, num_warps=w))
+            us = us_of(lambda: _read_kernel[(out.numel(),)](flat, out, N, BLOCK=block, STEPS=steps, num_warps=w))
             line(cname, f"contiguous read {block} x {steps}, {w} warps", us, nb)
         bt = cache.block_table[ids.long()].reshape(-1).contiguous()
         ident = torch.arange(bt.numel(), dtype=torch.int32, device="cuda")
@@ -123,7 +128,7 @@ def main(argv=None):
             npg = bm * nsub
             out = torch.empty(triton.cdiv(NP, npg), device="cuda")
             for name, table in (("shuffled", bt), ("identity", ident)):
-                us = timed(lambda: _gather_kernel[(out.numel(),)](table, meta, out, NP, E=E, RUN=run, BLOCK_M=bm,
+                us = us_of(lambda: _gather_kernel[(out.numel(),)](table, meta, out, NP, E=E, RUN=run, BLOCK_M=bm,
                                                                    NSUB=nsub, num_warps=w))
                 line(cname, f"gather {name} run {run} x {bm} pages x {nsub}, {w} warps", us, used)
         if HQ == H:
@@ -133,7 +138,7 @@ def main(argv=None):
             keys = torch.empty(B * H * MK, dtype=torch.int32, device="cuda")
             sl = as_slopes(None, HQ, q.device)
             scale = D ** -0.5
-            us = timed(lambda: T.launch_keys(q, sl, ids, cache, keys, None, MK, scale, 0, 0, k_pages,
+            us = us_of(lambda: T.launch_keys(q, sl, ids, cache, keys, None, MK, scale, 0, 0, k_pages,
                                              has_alibi=False))
             line(cname, "topk._keys_kernel (select_topk's launch)", us, used)
         del cache, meta
@@ -148,11 +153,8 @@ def kv_ceiling(cname: str, reps: int, flush: torch.Tensor, rounds: int = 2):
     from bench_decode import make_step
     from tune_keys import _read_kernel as read
 
-    def timed(fn):
-        g, _ = capture(fn)
-        ms, _ = time_graph(g, flush, 5, reps, warm_ms=50)
-        del g
-        return ms * 1e3
+    def us_of(fn):
+        return timed(fn, flush, reps, warm_ms=50)
 
     B, n, HQ, H, D, dtype, P = CONFIGS[cname]
     cache, ids, q, k4, v4 = build(CONFIGS[cname])
@@ -174,18 +176,18 @@ def kv_ceiling(cname: str, reps: int, flush: torch.Tensor, rounds: int = 2):
 
     for _ in range(rounds):
         for meth in ("sdpa", "full_softmax"):
-            line(cname, f"step {meth}", timed(make_step(K, meth, cache, ids, q, k4, v4, 1 / math.sqrt(D))), nb)
+            line(cname, f"step {meth}", us_of(make_step(K, meth, cache, ids, q, k4, v4, 1 / math.sqrt(D))), nb)
         for block, steps, w in ((2048, 8, 4), (4096, 8, 8), (2048, 16, 8)):
             out = torch.empty(triton.cdiv(N, block * steps), device="cuda")
-            us = timed(lambda: [read[(out.numel(),)](x.view(-1), out, N, BLOCK=block, STEPS=steps, num_warps=w)
+            us = us_of(lambda: [read[(out.numel(),)](x.view(-1), out, N, BLOCK=block, STEPS=steps, num_warps=w)
                                 for x in (k4, v4)])
             line(cname, f"contiguous K, V {block} x {steps}, {w} warps", us, nb)
         for run, bm, nsub, w in ((4096, 1, 4, 4), (4096, 1, 8, 8), (8192, 1, 4, 8), (4096, 2, 4, 8), (2048, 2, 8, 4)):
             line(cname, f"whole pages run {run} x {bm} pages x {nsub}, {w} warps",
-                 timed(gather(bt, H * P * D, run, bm, nsub, w)), nb)
+                 us_of(gather(bt, H * P * D, run, bm, nsub, w)), nb)
         for run, bm, nsub, w in ((2048, 2, 8, 4), (2048, 4, 4, 4), (2048, 4, 8, 8), (2048, 8, 4, 8), (2048, 1, 16, 2)):
             line(cname, f"one head per page run {run} x {bm} pages x {nsub}, {w} warps",
-                 timed(gather(bth, P * D, run, bm, nsub, w)), nb)
+                 us_of(gather(bth, P * D, run, bm, nsub, w)), nb)
     del cache, k4, v4
     torch.cuda.empty_cache()
 
