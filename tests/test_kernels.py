@@ -291,11 +291,15 @@ def test_topk_select_matches_reference(policy, P, lens, merge, monkeypatch):
 @pytest.mark.parametrize("dtype,H,D,P,slopes", [
     (torch.float16, 3, 24, 4, True), (torch.bfloat16, 5, 16, 8, False), (torch.float32, 2, 40, 1, True),
 ], ids=["f16-h3-alibi", "bf16-h5", "f32-h2-p1-alibi"])
-@pytest.mark.parametrize("all_heads", [True, False], ids=["all-heads", "per-head"])
+@pytest.mark.parametrize("all_heads", [True, "rowsel", False], ids=["all-heads", "all-heads-rowsel", "per-head"])
 def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_heads, monkeypatch):
     """MHA (G = 1): _keys_kernel scores every head of a page in one program
-    (odd head counts pad to a power of two); the per-head path must agree."""
-    monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "ALL_HEADS", all_heads)
+    (odd head counts pad to a power of two), then the chunked chain or
+    (rowsel, forced sink / window pages among the keys) _rowsel_kernel; the
+    per-head path must agree."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    monkeypatch.setattr(tk, "ALL_HEADS", bool(all_heads))
+    monkeypatch.setattr(tk, "ROWSEL_MIN_PAGES", 0 if all_heads == "rowsel" else 2**30)
     cache, ids, q, sl = setup([700, 3, 1100], H, 1, D, P, dtype, seed=9, slopes=slopes)
     sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
@@ -305,16 +309,25 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
 
 
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
-@pytest.mark.parametrize("prefilter", [True, False], ids=["prefilter", "no-prefilter"])
-def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
-    """Long MHA rows, small budget: more group maxima (_keys_kernel programs)
-    than pages kept, so _chunk_kernel drops every page below the k-th largest
-    group maximum. iid: few survivors per chunk (no bisection); clustered: the
-    best pages crowd into one chunk (more survivors than k there: the
-    bisection fallback); ties: 300 pages share the top bound, so which pages
-    are kept is arbitrary but they must be k_row pages of the top rank.
-    The bound comes from _gmax_kernel + _lb_kernel."""
-    monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "PREFILTER", prefilter)
+@pytest.mark.parametrize("path", ["rowsel", "rowsel-cut", "chunks", "no-prefilter"])
+def test_topk_long_rows_prefilter(layout, path, monkeypatch):
+    """Long MHA rows, small budget: more group maxima (_gmax_kernel) than
+    pages kept, so no page below the k-th largest group maximum lb is read
+    past the maxima. rowsel: _rowsel_kernel appends a row's keys >= lb to its
+    candidate buffer; rowsel-cut: with 8 keys per step and 16 slots, so the
+    buffer overflows and is cut to its k best (again and again when
+    clustered or tied); chunks: _lb_kernel, then _chunk_kernel drops the
+    pages below lb and bisects the chunks left with more than k (clustered:
+    the best pages crowd into one chunk) and _merge_kernel merges them;
+    no-prefilter: every chunk bisects. ties: 300 pages share the top bound,
+    so which pages are kept is arbitrary but they must be k_row pages of the
+    top rank."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    monkeypatch.setattr(tk, "PREFILTER", path != "no-prefilter")
+    monkeypatch.setattr(tk, "ROWSEL", path.startswith("rowsel"))
+    monkeypatch.setattr(tk, "ROWSEL_MIN_PAGES", 0)
+    if path == "rowsel-cut":
+        monkeypatch.setattr(tk, "ROWSEL_BLK", 8)
     gen = torch.Generator().manual_seed(21)
     B, n, H, D, P = 2, 4000, 2, 16, 4
     k = torch.randn(B, n, H, D, generator=gen)
@@ -347,6 +360,65 @@ def test_topk_long_rows_prefilter(layout, prefilter, monkeypatch):
             assert last in kept and all(r[p] >= t for p in kept)
             assert {int(p) for p in (r > t).nonzero().flatten()} <= kept
             assert (r[sorted(kept - {last})] == t).sum() >= 2  # really ties at the threshold
+
+
+@pytest.mark.parametrize("order", ["random", "permutation", "ascending", "descending", "few-values", "equal",
+                                   "late-ties"])
+@pytest.mark.parametrize("groups", ["tight", "no-lb", "cut"])
+def test_topk_rowsel_key_table(order, groups, monkeypatch):
+    """_gmax_kernel + _rowsel_kernel on hand-made key tables against
+    torch.topk: the kept keys of each row (3 rows of 1000 / 10 / 750 pages,
+    6 or 9 pages kept) must be exactly the row's k largest (as a multiset:
+    ties may be kept in any order), at distinct pages of the row. tight: 256
+    groups per row, every listed group read in one tile (the usual case);
+    no-lb: 4 groups, fewer than k, so lb cannot filter and every key is a
+    candidate (more than fit the one tile's 512 slots: the step loop, into a
+    2048-slot buffer, cut to its k best when full); cut: 64 groups of 16,
+    no one-tile pass, 16-key steps into a 32-slot buffer, cut again and
+    again (ascending: at nearly every step; equal: every key ties;
+    late-ties: a key just above a cut's k-th key arrives after it, and a
+    later cut's k-th key is below the first cut's)."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    monkeypatch.setattr(tk, "GMAX_GROUPS", {"tight": 256, "no-lb": 4, "cut": 64}[groups])
+    monkeypatch.setattr(tk, "ROWSEL_GROUPS_PER_PAGE", 0)
+    monkeypatch.setattr(tk, "ROWSEL_GS", 4096)
+    if groups == "cut":
+        monkeypatch.setattr(tk, "ROWSEL_BLK", 8)
+        monkeypatch.setattr(tk, "ROWSEL_ONE", 16)
+    gen = torch.Generator().manual_seed(5)
+    P, MK, CH = 4, 1024, 256
+    lens = torch.tensor([4000, 37, 2999], dtype=torch.int32)
+    n_pages = [1000, 10, 750]
+    keys = torch.full((3, MK), -2**31, dtype=torch.int32)
+    for r, m in enumerate(n_pages):
+        if order == "random":
+            row = torch.randint(-2**31 + 1, 2**31 - 1, (m,), generator=gen, dtype=torch.int64)
+        elif order == "permutation":  # consecutive keys: one just above a cut's k-th key comes later
+            row = torch.randperm(m, generator=gen)
+        elif order == "ascending":
+            row = torch.arange(m) - 500
+        elif order == "descending":
+            row = -torch.arange(m)
+        elif order == "few-values":
+            row = torch.randint(0, 5, (m,), generator=gen) * 7
+        elif order == "equal":
+            row = torch.full((m,), 123)
+        else:  # with "cut": a cut to 10s, 8 keys of 11, then a step of 11s: a cut whose k-th key is below lo
+            row = torch.full((m,), 10)
+            row[48:56], row[56:64], row[64:80] = 11, 0, 11
+        keys[r, :m] = row.to(torch.int32)
+    for k_pages, W in [(6, 6), (9, 16)]:
+        pages = torch.full((3, 1, W), -1, dtype=torch.int32, device=DEV)
+        counts = torch.full((3, 1), -1, dtype=torch.int32, device=DEV)
+        tk.launch_rowsel(keys.flatten().to(DEV), MK, CH, torch.arange(3, dtype=torch.int32, device=DEV),
+                         lens.to(DEV), pages, counts, 0, 0, k_pages, P)
+        for r, m in enumerate(n_pages):
+            k_row = min(k_pages, m)
+            assert int(counts[r, 0]) == k_row
+            got = pages[r, 0, :k_row].cpu().long()
+            assert len(set(got.tolist())) == k_row and int(got.min()) >= 0 and int(got.max()) < m
+            want = torch.topk(keys[r, :m], k_row).values
+            assert torch.equal(torch.sort(keys[r, got]).values, torch.sort(want).values), (r, order)
 
 
 @pytest.mark.parametrize("H,hg", [(6, None), (12, 4), (5, 8), (4, 1)], ids=["h6", "h12-hg4", "h5-masked", "h4-hg1"])
@@ -611,4 +683,4 @@ def test_pdl_kernels_wait_first():
                 first = [ln.strip() for ln in body.splitlines() if ln.strip()][0]
                 assert first == "pdl_start(PDL)", (attr, first)
                 found += 1
-    assert found == 16
+    assert found == 17

@@ -75,6 +75,25 @@ KEYS_TUNE: dict = {}
 LB_WARPS = 1
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
+# One _rowsel_kernel program per row after the group maxima instead of
+# _lb_kernel + _chunk_kernel + _merge_kernel, for widths up to ROWSEL_MAX_W
+# pages and rows of at least ROWSEL_MIN_PAGES (below, the chunked chain was
+# faster: 8 x 128k Quest k1024 0.096 against 0.100 ms, results/rowsel.log).
+# Then: warps (0: 8 when every row has a multiprocessor of its own, else 4:
+# two programs per SM), keys per step of the general loop, groups per kept
+# page and largest group (more groups: fewer keys read past lb, a longer
+# search for it), thresholds counted per search round, candidates searched
+# in the short final tile, keys of the one-tile pass.
+ROWSEL = True
+ROWSEL_MAX_W = 512
+ROWSEL_MIN_PAGES = 32768
+ROWSEL_WARPS = 0
+ROWSEL_BLK = 1024
+ROWSEL_GROUPS_PER_PAGE = 8
+ROWSEL_GS = 64
+ROWSEL_NT = 4
+ROWSEL_SMALL = 512
+ROWSEL_ONE = 8192
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -172,6 +191,28 @@ def kth_largest(keys, K):
         ge = c >= K
         lo = tl.where(ge, mid, lo)
         hi = tl.where(ge, hi, mid - 1)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def kth_largest_nt(keys, K, NT: tl.constexpr):
+    """kth_largest counting NT thresholds per round, spread over the open
+    range (about log_NT of the range's size in rounds: 7 for 16 thresholds
+    and keys within a few binades, against ~24): for one program per row,
+    where the search waits on its reductions rather than on ALU work."""
+    lo = tl.min(keys, axis=0)
+    n_inf = tl.sum((keys >= INF_KEY).to(tl.int32))
+    hi_fin = tl.max(tl.where(keys < INF_KEY, keys, lo), axis=0)
+    hi = tl.where(n_inf >= K, tl.max(keys, axis=0), hi_fin).to(tl.int64)
+    lo = lo.to(tl.int64)
+    o_t = tl.arange(0, NT).to(tl.int64)
+    # invariant: count(keys >= lo) >= K > count(keys > hi)
+    while lo < hi:
+        mid = lo + 1 + (o_t * (hi - lo)) // NT  # in (lo, hi], non-decreasing
+        c = tl.sum((keys[None, :] >= mid.to(tl.int32)[:, None]).to(tl.int32), axis=1)
+        ge = c >= K
+        lo = tl.max(tl.where(ge, mid, lo), axis=0)
+        hi = tl.min(tl.where(ge, hi, mid - 1), axis=0)
     return lo.to(tl.int32)
 
 
@@ -480,6 +521,139 @@ def _merge_kernel(
     tl.store(counts_ptr + i_r, n_out)
 
 
+@triton.jit
+def _keep_top(b_key, m_w, T, k_row):
+    """Of the valid keys m_w of a 1-D block: those > T, then ties at T while
+    fewer than k_row are kept. Returns (kept mask, output index, count)."""
+    m_gt = m_w & (b_key > T)
+    m_eq = m_w & (b_key == T)
+    n_gt = tl.sum(m_gt.to(tl.int32), axis=0)
+    r_eq = tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
+    m_sel = m_gt | (m_eq & (r_eq < k_row - n_gt))
+    f_sel = m_sel.to(tl.int32)
+    return m_sel, tl.cumsum(f_sel, axis=0) - 1, tl.sum(f_sel, axis=0)
+
+
+@triton.jit
+def _emit_best(p_ck, p_cp, n_c, lb, k_row, p_out, N: tl.constexpr, NT: tl.constexpr):
+    """Store the pages of the k_row best of the n_c <= N candidates (keys
+    >= lb) at p_ck / p_cp to p_out; returns how many were stored."""
+    o_n = tl.arange(0, N)
+    m_w = o_n < n_c
+    f_key = tl.load(p_ck + o_n, mask=m_w, other=INT32_MIN)
+    f_page = tl.load(p_cp + o_n, mask=m_w, other=0)
+    if NT == 1:
+        T = kth_largest(tl.where(m_w, f_key, lb), k_row)
+    else:
+        T = kth_largest_nt(tl.where(m_w, f_key, lb), k_row, NT)
+    m_sel, i_out, n_out = _keep_top(f_key, m_w, T, k_row)
+    tl.store(p_out + i_out, f_page, mask=m_sel)
+    return n_out
+
+
+@triton.jit
+def _rowsel_kernel(
+    ids_ptr, lens_ptr, key_ptr, gmax_ptr, glist_ptr, ck_ptr, cp_ptr, pages_ptr, counts_ptr,
+    MK, NKP, W, sinks, window, k_pages,
+    S: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, NKP_P2: tl.constexpr,
+    GB: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, ONE_G: tl.constexpr, NT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """A whole row's selection in one program, from its key table and group
+    maxima (_gmax_kernel): lb = the k_row-th largest group maximum (as
+    _lb_kernel); then only the groups whose maximum reaches lb are read, GB
+    groups of GS keys per step (the next step's keys loaded before this
+    step's are used), and their keys >= lb are appended to a CAP-slot
+    candidate buffer (ck/cp, scratch in L2). When a step would overflow it,
+    the buffer is cut to its k_row best (its k_row-th key T by bisection) and
+    from then on only keys > T are taken: k_row keys >= T are already held,
+    so a later key equal to T is only a tie, and ties may be kept in any
+    order. Last, the same cut over the buffer emits the row's pages.
+    Replaces _lb_kernel + _chunk_kernel + _merge_kernel (three dependent
+    launches) when CAP >= GB * GS + next_pow2(W)."""
+    pdl_start(PDL)
+    i_r = tl.program_id(0).to(tl.int64)
+    seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+    npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
+    # -- lb and the list of groups that can hold a kept page
+    o_p = tl.arange(0, NKP_P2)
+    b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
+    lb = kth_largest_nt(b_gm, k_row, NT)
+    lb = tl.where(tl.sum((b_gm >= lb).to(tl.int32), axis=0) >= k_row, lb, INT32_MIN)
+    m_g = (b_gm >= lb) & (b_gm > INT32_MIN)
+    i_g = tl.cumsum(m_g.to(tl.int32), axis=0) - 1
+    p_gl = glist_ptr + i_r * NKP_P2
+    tl.store(p_gl + i_g, o_p, mask=m_g)
+    n_grp = tl.sum(m_g.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the group list is read back by other threads
+    # -- candidates: keys >= lo of the listed groups
+    BLK: tl.constexpr = GB * GS
+    o_j = tl.arange(0, GB)
+    o_s = tl.arange(0, GS)
+    o_cap = tl.arange(0, CAP)
+    p_row = key_ptr + i_r * MK
+    p_ck = ck_ptr + i_r * CAP
+    p_cp = cp_ptr + i_r * CAP
+    lo = lb
+    n_c = tl.zeros([], tl.int32)
+    n_end = n_grp
+    if n_grp <= ONE_G:
+        # the usual case: every listed group in one tile and at most SMALL
+        # keys >= lb in them (one round trip for the ids and keys, no loop)
+        o_q = tl.arange(0, ONE_G)
+        m_q = o_q < n_grp
+        g_q = tl.load(p_gl + o_q, mask=m_q, other=0)
+        b_q = tl.load(p_row + g_q[:, None] * GS + o_s[None, :], mask=m_q[:, None], other=INT32_MIN)
+        m_qi = tl.reshape((b_q >= lb) & (b_q > INT32_MIN), [ONE_G * GS])
+        c_q = tl.sum(m_qi.to(tl.int32), axis=0)
+        if c_q <= SMALL:
+            i_out = tl.cumsum(m_qi.to(tl.int32), axis=0) - 1
+            tl.store(p_ck + i_out, tl.reshape(b_q, [ONE_G * GS]), mask=m_qi)
+            tl.store(p_cp + i_out, tl.reshape(g_q[:, None] * GS + o_s[None, :], [ONE_G * GS]), mask=m_qi)
+            n_c = c_q
+            n_end = 0
+    m_j = o_j < n_end
+    g_id = tl.load(p_gl + o_j, mask=m_j, other=0)
+    b_nx = tl.load(p_row + g_id[:, None] * GS + o_s[None, :], mask=m_j[:, None], other=INT32_MIN)
+    for j in range(0, n_end, GB):
+        b_key = b_nx
+        b_page = tl.reshape(g_id[:, None] * GS + o_s[None, :], [BLK])
+        # the next step's group ids and keys, in flight while this step runs
+        m_j = (j + GB + o_j) < n_end
+        g_id = tl.load(p_gl + j + GB + o_j, mask=m_j, other=0)
+        b_nx = tl.load(p_row + g_id[:, None] * GS + o_s[None, :], mask=m_j[:, None], other=INT32_MIN)
+        b_key = tl.reshape(b_key, [BLK])
+        m_in = (b_key >= lo) & (b_key > INT32_MIN)
+        c = tl.sum(m_in.to(tl.int32), axis=0)
+        if n_c + c > CAP:
+            # cut the buffer (n_c > CAP - BLK >= k_row keys) to its k_row best
+            tl.debug_barrier()
+            m_w = o_cap < n_c
+            f_key = tl.load(p_ck + o_cap, mask=m_w, other=INT32_MIN)
+            f_page = tl.load(p_cp + o_cap, mask=m_w, other=0)
+            T = kth_largest(tl.where(m_w, f_key, lb), k_row)
+            m_sel, i_out, n_c = _keep_top(f_key, m_w, T, k_row)
+            tl.debug_barrier()  # every slot is read before any is rewritten
+            tl.store(p_ck + i_out, f_key, mask=m_sel)
+            tl.store(p_cp + i_out, f_page, mask=m_sel)
+            lo = tl.where(T < 2147483647, T + 1, T)
+            m_in = (b_key >= lo) & (b_key > INT32_MIN)
+            c = tl.sum(m_in.to(tl.int32), axis=0)
+        if c > 0:
+            i_out = n_c + tl.cumsum(m_in.to(tl.int32), axis=0) - 1
+            tl.store(p_ck + i_out, b_key, mask=m_in)
+            tl.store(p_cp + i_out, b_page, mask=m_in)
+            n_c += c
+    # -- the row's k_row best candidates (at least k_row are held)
+    tl.debug_barrier()
+    if n_c <= SMALL:  # the usual case: a short tile, NT thresholds per round
+        n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, SMALL, NT)
+    else:
+        n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, CAP, 1)
+    tl.store(counts_ptr + i_r, n_out)
+
+
 # ---------------------------------------------------------------------------
 # launcher / public function
 # ---------------------------------------------------------------------------
@@ -507,6 +681,44 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
         HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, AS_IS=KEYS_AS_IS, num_warps=kp["WARPS"], **opts,
     )
     return kp
+
+
+def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, opts: dict):
+    """_gmax_kernel over a [rows, MK] key table: the largest key of each of
+    about ``groups`` groups per row (a power of two dividing CH pages).
+    Returns (gmax int32 [rows * NKP], NKP, group size)."""
+    gs = min(CH, next_pow2(cdiv(MK, groups)))
+    NKP = MK // gs
+    gb = max(1, 4096 // gs)
+    gmax = torch.empty(rows * NKP, dtype=torch.int32, device=keys.device)
+    _gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4, **opts)
+    return gmax, NKP, gs
+
+
+def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
+                  pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
+                  P: int) -> None:
+    """A whole selection from a ready key table: _gmax_kernel, then one
+    _rowsel_kernel program per row. keys: int32 [B * S * MK] (row b * S + s,
+    INT32_MIN past the row's pages); ids: int32 [B] cache slots; pages /
+    counts: the Selection's int32 [B, S, W] / [B, S], written here."""
+    B, S, W = pages.shape
+    opts = launch_opts(keys.device)
+    groups = max(GMAX_GROUPS, ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // ROWSEL_GS)
+    gmax, NKP, gs = launch_gmax(keys, B * S, MK, CH, groups, opts)
+    blk = max(ROWSEL_BLK, gs)
+    cap = next_pow2(blk + next_pow2(W))
+    nkp_p2 = next_pow2(NKP)
+    glist = torch.empty(B * S * nkp_p2, dtype=torch.int32, device=keys.device)
+    ck = torch.empty(B * S * cap, dtype=torch.int32, device=keys.device)
+    cp = torch.empty_like(ck)
+    _rowsel_kernel[(B * S,)](
+        ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts,
+        MK, NKP, W, sinks, window, k_pages,
+        S=S, P=P, GS=gs, NKP_P2=nkp_p2, GB=blk // gs, CAP=cap, SMALL=min(cap, ROWSEL_SMALL),
+        ONE_G=max(1, min(next_pow2(W), ROWSEL_ONE // gs)), NT=ROWSEL_NT,
+        num_warps=ROWSEL_WARPS or (8 if B * S <= num_sms(keys.device) else 4), **opts,
+    )
 
 
 def topk_width(M: int, page_size: int, budget: int, sinks: int, window: int) -> Tuple[int, int]:
@@ -561,28 +773,26 @@ def select_topk(
     ids = seq_ids.to(device=dev, dtype=torch.int32)
     pages = torch.empty(B, S, W, dtype=torch.int32, device=dev)  # padding past counts is never read
     counts = torch.empty(B, S, dtype=torch.int32, device=dev)
-    keys = torch.empty(B * S * NCH * CH, dtype=torch.int32, device=dev)
+    MK = NCH * CH
+    keys = torch.empty(B * S * MK, dtype=torch.int32, device=dev)
+    write_ub = ub is not None
+    opts = launch_opts(dev)
+    prefilter = all_heads and PREFILTER
+    if all_heads:
+        launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
+                    has_alibi=slopes is not None)
+    if prefilter and ROWSEL and next_pow2(W) <= ROWSEL_MAX_W and MK >= ROWSEL_MIN_PAGES:
+        launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window), k_pages, P)
+        return Selection(pages, counts)
     if NCH > 1:
         ck = torch.empty(B * S * NCH * W, dtype=torch.int32, device=dev)
         cp = torch.empty_like(ck)
         cn = torch.empty(B * S * NCH, dtype=torch.int32, device=dev)
     else:
         ck = cp = cn = keys
-    write_ub = ub is not None
     lbs = torch.empty(B * S, dtype=torch.int32, device=dev)
-    opts = launch_opts(dev)
-    prefilter = all_heads and PREFILTER
-    if all_heads:
-        launch_keys(q, sl, ids, cache, keys, ub, NCH * CH, scale, sinks, window, k_pages,
-                    has_alibi=slopes is not None)
     if prefilter:
-        # about GMAX_GROUPS groups per row (powers of two: GS divides CH)
-        MK = NCH * CH
-        gs = min(CH, next_pow2(cdiv(MK, GMAX_GROUPS)))
-        NKP = MK // gs
-        gb = max(1, 4096 // gs)
-        gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=dev)
-        _gmax_kernel[(B * S, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4, **opts)
+        gmax, NKP, _ = launch_gmax(keys, B * S, MK, CH, GMAX_GROUPS, opts)
         _lb_kernel[(B * S,)](gmax, lbs, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
                              S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS, **opts)
     _chunk_kernel[(B * S, NCH)](
