@@ -27,6 +27,12 @@ max(budget // P, forced) best pages. No sort and no torch.topk:
    NCH * K candidate slots of a row (held in registers when they fit), then
    the kept pages in any order (the Selection contract allows unsorted pages).
 
+For rows of at least ROWSEL_MIN_PAGES pages (and widths up to ROWSEL_MAX_W)
+one ``_rowsel_kernel`` program per row (grid B*S) replaces steps 0's
+_lb_kernel, 1 and 2: it finds lb from the group maxima, reads only the keys
+of the groups whose maximum reaches lb and selects among those >= lb
+(``launch_rowsel``).
+
 Every stage writes fixed-shape buffers; nothing synchronises with the host.
 """
 from __future__ import annotations
@@ -78,7 +84,7 @@ MERGE_REGS = 16384
 # One _rowsel_kernel program per row after the group maxima instead of
 # _lb_kernel + _chunk_kernel + _merge_kernel, for widths up to ROWSEL_MAX_W
 # pages and rows of at least ROWSEL_MIN_PAGES (below, the chunked chain was
-# faster: 8 x 128k Quest k1024 0.096 against 0.100 ms, results/rowsel.log).
+# faster: 8 x 128k Quest k1024 0.096 against 0.097-0.100 ms, results/rowsel.log).
 # Then: warps (0: 8 when every row has a multiprocessor of its own, else 4:
 # two programs per SM), keys per step of the general loop, groups per kept
 # page and largest group (more groups: fewer keys read past lb, a longer
