@@ -83,8 +83,10 @@ LB_WARPS = 1
 MERGE_REGS = 16384
 # One _rowsel_kernel program per row after the group maxima instead of
 # _lb_kernel + _chunk_kernel + _merge_kernel, for widths up to ROWSEL_MAX_W
-# pages and rows of at least ROWSEL_MIN_PAGES (below, the chunked chain was
-# faster: 8 x 128k Quest k1024 0.096 against 0.097-0.100 ms, results/rowsel.log).
+# pages and rows of at least ROWSEL_MIN_PAGES (from 256k tokens at page 16 it
+# was faster at batch 1 and 8; at 128k the chunked chain was at batch 1 and 8
+# (8 x 128k Quest k1024 0.096 against 0.097-0.100 ms), at 32k always:
+# results/rowsel.log).
 # Then: warps (0: 8 when every row has a multiprocessor of its own, else 4:
 # two programs per SM), keys per step of the general loop, groups per kept
 # page and largest group (more groups: fewer keys read past lb, a longer
@@ -92,7 +94,7 @@ MERGE_REGS = 16384
 # in the short final tile, keys of the one-tile pass.
 ROWSEL = True
 ROWSEL_MAX_W = 512
-ROWSEL_MIN_PAGES = 32768
+ROWSEL_MIN_PAGES = 16384
 ROWSEL_WARPS = 0
 ROWSEL_BLK = 1024
 ROWSEL_GROUPS_PER_PAGE = 8
