@@ -330,6 +330,21 @@ def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr,
 
 
 @triton.jit
+def _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2: tl.constexpr, NT: tl.constexpr):
+    """(group index, group maximum) tiles of row i_r and its lb: the k_row-th
+    largest maximum (searched with NT thresholds per round), INT32_MIN when
+    fewer than k_row groups reach it (no filter)."""
+    o_p = tl.arange(0, NKP_P2)
+    b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
+    if NT == 1:
+        lb = kth_largest(b_gm, k_row)
+    else:
+        lb = kth_largest_nt(b_gm, k_row, NT)
+    lb = tl.where(tl.sum((b_gm >= lb).to(tl.int32), axis=0) >= k_row, lb, INT32_MIN)
+    return o_p, b_gm, lb
+
+
+@triton.jit
 def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
                S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr, PDL: tl.constexpr):
     """lb of one row from its NKP group maxima: their k_row-th largest. They
@@ -344,10 +359,8 @@ def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
-    o_p = tl.arange(0, NKP_P2)
-    b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-    lb = kth_largest(b_gm, k_row)
-    tl.store(lb_ptr + i_r, tl.where(tl.sum((b_gm >= lb).to(tl.int32)) >= k_row, lb, INT32_MIN))
+    _o_p, _b_gm, lb = _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2, 1)
+    tl.store(lb_ptr + i_r, lb)
 
 
 @triton.jit
@@ -573,7 +586,7 @@ def _rowsel_kernel(
     groups of GS keys per step (the next step's keys loaded before this
     step's are used), and their keys >= lb are appended to a CAP-slot
     candidate buffer (ck/cp, scratch in L2). When a step would overflow it,
-    the buffer is cut to its k_row best (its k_row-th key T by bisection) and
+    the buffer is cut to its k_row best (its k_row-th key T, searched) and
     from then on only keys > T are taken: k_row keys >= T are already held,
     so a later key equal to T is only a tie, and ties may be kept in any
     order. Last, the same cut over the buffer emits the row's pages.
@@ -585,10 +598,7 @@ def _rowsel_kernel(
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
     # -- lb and the list of groups that can hold a kept page
-    o_p = tl.arange(0, NKP_P2)
-    b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-    lb = kth_largest_nt(b_gm, k_row, NT)
-    lb = tl.where(tl.sum((b_gm >= lb).to(tl.int32), axis=0) >= k_row, lb, INT32_MIN)
+    o_p, b_gm, lb = _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2, NT)
     m_g = (b_gm >= lb) & (b_gm > INT32_MIN)
     i_g = tl.cumsum(m_g.to(tl.int32), axis=0) - 1
     p_gl = glist_ptr + i_r * NKP_P2
