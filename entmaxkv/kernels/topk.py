@@ -207,21 +207,26 @@ def kth_largest_nt(keys, K, NT: tl.constexpr):
     """kth_largest counting NT thresholds per round, spread over the open
     range (about log_NT of the range's size in rounds: 7 for 16 thresholds
     and keys within a few binades, against ~24): for one program per row,
-    where the search waits on its reductions rather than on ALU work."""
-    lo = tl.min(keys, axis=0)
-    n_inf = tl.sum((keys >= INF_KEY).to(tl.int32))
-    hi_fin = tl.max(tl.where(keys < INF_KEY, keys, lo), axis=0)
-    hi = tl.where(n_inf >= K, tl.max(keys, axis=0), hi_fin).to(tl.int64)
-    lo = lo.to(tl.int64)
-    o_t = tl.arange(0, NT).to(tl.int64)
-    # invariant: count(keys >= lo) >= K > count(keys > hi)
-    while lo < hi:
-        mid = lo + 1 + (o_t * (hi - lo)) // NT  # in (lo, hi], non-decreasing
-        c = tl.sum((keys[None, :] >= mid.to(tl.int32)[:, None]).to(tl.int32), axis=1)
-        ge = c >= K
-        lo = tl.max(tl.where(ge, mid, lo), axis=0)
-        hi = tl.min(tl.where(ge, hi, mid - 1), axis=0)
-    return lo.to(tl.int32)
+    where the search waits on its reductions rather than on ALU work.
+    NT = 1 is kth_largest's bisection."""
+    if NT == 1:
+        T = kth_largest(keys, K)
+    else:
+        lo = tl.min(keys, axis=0)
+        n_inf = tl.sum((keys >= INF_KEY).to(tl.int32))
+        hi_fin = tl.max(tl.where(keys < INF_KEY, keys, lo), axis=0)
+        hi = tl.where(n_inf >= K, tl.max(keys, axis=0), hi_fin).to(tl.int64)
+        lo = lo.to(tl.int64)
+        o_t = tl.arange(0, NT).to(tl.int64)
+        # invariant: count(keys >= lo) >= K > count(keys > hi)
+        while lo < hi:
+            mid = lo + 1 + (o_t * (hi - lo)) // NT  # in (lo, hi], non-decreasing
+            c = tl.sum((keys[None, :] >= mid.to(tl.int32)[:, None]).to(tl.int32), axis=1)
+            ge = c >= K
+            lo = tl.max(tl.where(ge, mid, lo), axis=0)
+            hi = tl.min(tl.where(ge, hi, mid - 1), axis=0)
+        T = lo.to(tl.int32)
+    return T
 
 
 @triton.jit
@@ -336,10 +341,7 @@ def _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2: tl.constexpr, NT: tl.constexpr)
     fewer than k_row groups reach it (no filter)."""
     o_p = tl.arange(0, NKP_P2)
     b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-    if NT == 1:
-        lb = kth_largest(b_gm, k_row)
-    else:
-        lb = kth_largest_nt(b_gm, k_row, NT)
+    lb = kth_largest_nt(b_gm, k_row, NT)
     lb = tl.where(tl.sum((b_gm >= lb).to(tl.int32), axis=0) >= k_row, lb, INT32_MIN)
     return o_p, b_gm, lb
 
@@ -556,20 +558,35 @@ def _keep_top(b_key, m_w, T, k_row):
 
 
 @triton.jit
-def _emit_best(p_ck, p_cp, n_c, lb, k_row, p_out, N: tl.constexpr, NT: tl.constexpr):
-    """Store the pages of the k_row best of the n_c <= N candidates (keys
-    >= lb) at p_ck / p_cp to p_out; returns how many were stored."""
+def _buffer_best(p_ck, p_cp, n_c, lb, k_row, N: tl.constexpr, NT: tl.constexpr):
+    """The k_row best of the n_c <= N candidates (keys >= lb) at p_ck / p_cp:
+    (keys, pages, kept mask, output index, count kept) and their k_row-th
+    key T, searched with NT thresholds per round."""
     o_n = tl.arange(0, N)
     m_w = o_n < n_c
     f_key = tl.load(p_ck + o_n, mask=m_w, other=INT32_MIN)
     f_page = tl.load(p_cp + o_n, mask=m_w, other=0)
-    if NT == 1:
-        T = kth_largest(tl.where(m_w, f_key, lb), k_row)
-    else:
-        T = kth_largest_nt(tl.where(m_w, f_key, lb), k_row, NT)
-    m_sel, i_out, n_out = _keep_top(f_key, m_w, T, k_row)
+    T = kth_largest_nt(tl.where(m_w, f_key, lb), k_row, NT)
+    m_sel, i_out, n_sel = _keep_top(f_key, m_w, T, k_row)
+    return f_key, f_page, m_sel, i_out, n_sel, T
+
+
+@triton.jit
+def _emit_best(p_ck, p_cp, n_c, lb, k_row, p_out, N: tl.constexpr, NT: tl.constexpr):
+    """Store the pages of the k_row best of the n_c <= N candidates (keys
+    >= lb) at p_ck / p_cp to p_out; returns how many were stored."""
+    _f_key, f_page, m_sel, i_out, n_out, _T = _buffer_best(p_ck, p_cp, n_c, lb, k_row, N, NT)
     tl.store(p_out + i_out, f_page, mask=m_sel)
     return n_out
+
+
+@triton.jit
+def _append(p_ck, p_cp, n_c, b_key, b_page, m_in):
+    """Store the keys and pages where m_in (1-D) to the candidate slots
+    n_c, n_c + 1, ... in order."""
+    i_out = n_c + tl.cumsum(m_in.to(tl.int32), axis=0) - 1
+    tl.store(p_ck + i_out, b_key, mask=m_in)
+    tl.store(p_cp + i_out, b_page, mask=m_in)
 
 
 @triton.jit
@@ -609,7 +626,6 @@ def _rowsel_kernel(
     BLK: tl.constexpr = GB * GS
     o_j = tl.arange(0, GB)
     o_s = tl.arange(0, GS)
-    o_cap = tl.arange(0, CAP)
     p_row = key_ptr + i_r * MK
     p_ck = ck_ptr + i_r * CAP
     p_cp = cp_ptr + i_r * CAP
@@ -626,9 +642,8 @@ def _rowsel_kernel(
         m_qi = tl.reshape((b_q >= lb) & (b_q > INT32_MIN), [ONE_G * GS])
         c_q = tl.sum(m_qi.to(tl.int32), axis=0)
         if c_q <= SMALL:
-            i_out = tl.cumsum(m_qi.to(tl.int32), axis=0) - 1
-            tl.store(p_ck + i_out, tl.reshape(b_q, [ONE_G * GS]), mask=m_qi)
-            tl.store(p_cp + i_out, tl.reshape(g_q[:, None] * GS + o_s[None, :], [ONE_G * GS]), mask=m_qi)
+            _append(p_ck, p_cp, n_c, tl.reshape(b_q, [ONE_G * GS]),
+                    tl.reshape(g_q[:, None] * GS + o_s[None, :], [ONE_G * GS]), m_qi)
             n_c = c_q
             n_end = 0
     m_j = o_j < n_end
@@ -647,11 +662,7 @@ def _rowsel_kernel(
         if n_c + c > CAP:
             # cut the buffer (n_c > CAP - BLK >= k_row keys) to its k_row best
             tl.debug_barrier()
-            m_w = o_cap < n_c
-            f_key = tl.load(p_ck + o_cap, mask=m_w, other=INT32_MIN)
-            f_page = tl.load(p_cp + o_cap, mask=m_w, other=0)
-            T = kth_largest(tl.where(m_w, f_key, lb), k_row)
-            m_sel, i_out, n_c = _keep_top(f_key, m_w, T, k_row)
+            f_key, f_page, m_sel, i_out, n_c, T = _buffer_best(p_ck, p_cp, n_c, lb, k_row, CAP, 1)
             tl.debug_barrier()  # every slot is read before any is rewritten
             tl.store(p_ck + i_out, f_key, mask=m_sel)
             tl.store(p_cp + i_out, f_page, mask=m_sel)
@@ -659,9 +670,7 @@ def _rowsel_kernel(
             m_in = (b_key >= lo) & (b_key > INT32_MIN)
             c = tl.sum(m_in.to(tl.int32), axis=0)
         if c > 0:
-            i_out = n_c + tl.cumsum(m_in.to(tl.int32), axis=0) - 1
-            tl.store(p_ck + i_out, b_key, mask=m_in)
-            tl.store(p_cp + i_out, b_page, mask=m_in)
+            _append(p_ck, p_cp, n_c, b_key, b_page, m_in)
             n_c += c
     # -- the row's k_row best candidates (at least k_row are held)
     tl.debug_barrier()
