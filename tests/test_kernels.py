@@ -117,6 +117,16 @@ def test_split_loop_pipelined_only_for_dense_one_head_entmax():
         assert A._plan(8, 1, NG, 32, 64, 16, dev, softmax, 2, dense=dense)["LOOP_STAGES"] is None
 
 
+class _Forbidden:
+    """Stands in for a kernel that the path under test must not launch."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"{self.name} was launched")
+
+
 def _one_split_per_row(monkeypatch, cache, G):
     """Every split-count knob of the entmax pass set to 1 (one wave factor
     per path), checked: the dense walk of this cache runs one split per row."""
@@ -129,16 +139,20 @@ def _one_split_per_row(monkeypatch, cache, G):
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
 @pytest.mark.parametrize("G", [1, 4])
-@pytest.mark.parametrize("vacc", ["block-acc", "row-acc"])
+@pytest.mark.parametrize("vacc", ["block-acc", "row-acc", "finish"])
 def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
     """One split per row walks ~90 tiles of nearly flat scores: slots collect
     many candidates (several staging rows), which the split program compacts
     in place; the result must still be exact. Long candidate lists also run
     the V pass through several blocks, with either accumulator (the GPU picks
-    by head dim)."""
+    by head dim), or the one-launch finish over lists longer than its
+    register tile (the solve and the compaction of the support from
+    memory, in several blocks)."""
     A = sys.modules["entmaxkv.kernels.attention"]
     if vacc == "row-acc":
         monkeypatch.setattr(A, "VACC_SMALL_D", A.VACC_LARGE_D)
+    monkeypatch.setattr(A, "FINISH", vacc == "finish")
+    monkeypatch.setattr(A, "_vacc_kernel" if vacc == "finish" else "_finish_kernel", _Forbidden("not this path"))
     cache, ids, q, sl = setup([2900, 61], 2, G, 16, 8, torch.float32, seed=12, key_scale=0.05)
     _one_split_per_row(monkeypatch, cache, G)
     out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3)
@@ -146,6 +160,55 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
     ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.3)
     assert rel_err(out, ref) < TOL[torch.float32]
     assert (tau.double() - rtau).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+@pytest.mark.parametrize("mode", ["memory", "runtime-choice"])
+def test_finish_support_from_memory_over_several_splits(alpha, mode, monkeypatch):
+    """The one-launch finish (_finish_kernel) over candidate lists longer than its
+    register tile, in several splits per row: the solve from memory, the
+    support compacted chunk by chunk ([NSPLIT, BLOCK_M] columns at a time)
+    into slots already read, then gathered back in that order. Nearly flat
+    keys put most tokens in the support. runtime-choice: each row picks the
+    register tile when its lists fit it (the 40-token row) or memory."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "FINISH_MAX_SPLITS", 128)
+    monkeypatch.setattr(A, "SOLVE_IN_REGS", mode != "memory")
+    monkeypatch.setattr(A, "SOLVE_TILE", 64)
+    monkeypatch.setattr(A, "_vacc_kernel", _Forbidden("_vacc_kernel"))
+    cache, ids, q, _ = setup([300, 40], 2, 1, 16, 4, torch.float32, seed=17, key_scale=0.005)
+    cfg = A._plan(2, 2, 1, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
+    assert cfg["NSPLIT"] >= 2 and 300 // cfg["NSPLIT"] > 2 * 32
+    out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3)
+    full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3)
+    ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.3)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert (tau.double() - rtau).abs().max() < 1e-5
+    x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, full, scale=0.3)[0]
+    assert (x[0] > rtau[0, :, None]).sum(-1).min() > 100  # (support over several chunks and splits)
+
+
+@pytest.mark.parametrize("G,want", [(1, "three"), (2, "one")], ids=["one-head", "tl.dot"])
+def test_finish_launch_rule(G, want, monkeypatch):
+    """Which finish runs: lists that may outgrow the register tile over more
+    than FINISH_MAX_SPLITS splits keep the three launches on the one-head
+    path and take the one launch on the tl.dot path (what was measured
+    faster); lists that always fit take the one launch on both."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "FINISH_MAX_SPLITS", 1)
+    cache, ids, q, _ = setup([300, 40], 2, G, 16, 4, torch.float32, seed=17, key_scale=0.005)
+    cfg = A._plan(2, 2, G, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
+    assert cfg["NSPLIT"] >= 2 and cfg["USE_DOT"] == (G > 1)
+    full = RP.select(Full(), q, cache, ids, alpha=1.5, scale=0.3)
+    ref, _ = RA.attend(q.double(), cache, ids, full, alpha=1.5, scale=0.3)
+    for tile, path in ((64, want), (2**16, "one")):  # (2**16: every list fits)
+        monkeypatch.setattr(A, "SOLVE_TILE", tile)
+        forbid = ("_vacc_kernel",) if path == "one" else ("_finish_kernel",)
+        with monkeypatch.context() as m:
+            for name in forbid:
+                m.setattr(A, name, _Forbidden(name))
+            out, _ = K.dense_attend(q, cache, ids, alpha=1.5, scale=0.3)
+        assert rel_err(out, ref) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("lb_mode", [0, 1], ids=["three-reductions", "fused"])
@@ -181,15 +244,25 @@ def test_entmax_bound_update_modes(lb_mode, alpha, G, fold, monkeypatch):
 
 @pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 3.0])
 @pytest.mark.parametrize("per_q", [False, True])
-@pytest.mark.parametrize("variant", ["default", "memory-solve-no-prefetch"])
+@pytest.mark.parametrize("variant", ["default", "three-launch-finish", "memory-solve-no-prefetch",
+                                     "memory-finish"])
 def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q, variant, monkeypatch):
     """Pages in any order; entries past counts are ignored whatever they hold.
-    The tau solve iterates over candidates held in registers or (switched
-    off) reloaded from memory at every step; the split kernel loads the next
-    tile's page ids ahead or (switched off) at the top of each tile."""
+    Entmax finishes in one launch (_finish_kernel, these lists are short), or
+    (switched off) in three: the tau solve over candidates held in registers
+    or (switched off too) reloaded from memory at every step, then the V pass
+    and the combine; or in one launch solving from memory. The split kernel
+    loads the next tile's page ids ahead or (switched off) at the top of each
+    tile."""
     A = sys.modules["entmaxkv.kernels.attention"]
-    monkeypatch.setattr(A, "SOLVE_IN_REGS", variant == "default")
-    monkeypatch.setattr(A, "PREFETCH_PAGES", variant == "default")
+    one = variant in ("default", "memory-finish")
+    monkeypatch.setattr(A, "FINISH", one)
+    monkeypatch.setattr(A, "FINISH_MAX_SPLITS", 128)
+    monkeypatch.setattr(A, "SOLVE_IN_REGS", variant in ("default", "three-launch-finish"))
+    monkeypatch.setattr(A, "PREFETCH_PAGES", variant != "memory-solve-no-prefetch")
+    forbid = "_vacc_kernel" if one else "_finish_kernel"
+    if alpha != 1.0:  # (softmax takes neither)
+        monkeypatch.setattr(A, forbid, _Forbidden(forbid))
     H, G, P = 2, 3, 4
     cache, ids, q, sl = setup([90, 41, 7], H, G, 16, P, torch.float32, seed=3, slopes=True)
     S = H * G if per_q else H
@@ -219,6 +292,50 @@ def _attend_vs_reference(q, cache, ids, pages, counts, alpha, sl):
     fin = (counts.repeat_interleave(q.shape[1] // counts.shape[1], dim=1) > 0).to(DEV)
     assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
     return out, tau
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G,D,P,per_q", [(1, 16, 4, False), (3, 40, 8, False), (2, 24, 2, True)])
+def test_attend_short_selection_finish_launch(alpha, dtype, G, D, P, per_q, monkeypatch):
+    """A top-k-sized selection finishes in _finish_kernel (no _solve, _vacc
+    or _combine launch), over nearly flat keys: the support holds most kept
+    tokens, so its compaction runs several 16-token V blocks on some rows;
+    one row keeps no page (zeros, tau = +inf), another keeps one. With the
+    policy's tau_hat as warm start where the selection comes from TopK."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "FINISH_BLOCK", 16)
+    for name in ("_solve_kernel", "_vacc_kernel", "_combine_kernel"):
+        monkeypatch.setattr(A, name, _Forbidden(name))
+    H, lens = 2, [301, 57, 23]
+    cache, ids, q, sl = setup(lens, H, G, D, P, dtype, seed=31, key_scale=0.005)  # (ALiBi: the test above)
+    S = H * G if per_q else H
+    gen = torch.Generator().manual_seed(7)
+    W = 24
+    pages = torch.zeros(3, S, W, dtype=torch.int32)
+    counts = torch.zeros(3, S, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        npages = -(-n // P)
+        for s in range(S):
+            k = min(W, npages) if b != 2 else s % 2  # batch row 2: rows of zero and one page
+            pages[b, s, :k] = torch.randperm(npages, generator=gen)[:k].to(torch.int32)
+            counts[b, s] = k
+    sel = Selection(pages.to(DEV), counts.to(DEV))
+    out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl, tau_init=None)
+    ref, rtau = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl)
+    assert rel_err(out, ref) < TOL[dtype]
+    fin = (counts.repeat_interleave(H * G // S, dim=1) > 0).to(DEV)
+    assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
+    assert torch.isinf(tau[~fin]).all() and (out[~fin] == 0).all()
+    x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, sel, scale=0.4, slopes=sl)[0]
+    support = (x > rtau[..., None]).sum(-1)
+    assert support.max() > 2 * 16  # (three V blocks or more)
+    pol = TopK(W * P, per_query_head=per_q)
+    sel2 = K.select(pol, q, cache, ids, alpha=alpha, scale=0.4, slopes=sl)
+    out2, tau2 = K.attend(q, cache, ids, sel2, alpha=alpha, scale=0.4, slopes=sl, tau_init=sel2.tau_hat)
+    ref2, rtau2 = RA.attend(q.double(), cache, ids, sel2, alpha=alpha, scale=0.4, slopes=sl)
+    assert rel_err(out2, ref2) < TOL[dtype]
+    assert (tau2.double() - rtau2).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("min_tokens", [16, 60], ids=["4-pages", "15-pages"])
@@ -673,7 +790,7 @@ def test_pdl_kernels_wait_first():
 
     found = 0
     for name in ("topk", "attention", "gaussian", "certified"):
-        mod = sys.modules[f"entmaxkv.kernels.{name}"]
+        mod = importlib.import_module(f"entmaxkv.kernels.{name}")
         for attr in dir(mod):
             fn = getattr(mod, attr)
             is_kernel = attr.endswith("_kernel") and isinstance(fn, triton.runtime.KernelInterface)
@@ -683,4 +800,4 @@ def test_pdl_kernels_wait_first():
                 first = [ln.strip() for ln in body.splitlines() if ln.strip()][0]
                 assert first == "pdl_start(PDL)", (attr, first)
                 found += 1
-    assert found == 17
+    assert found == 18

@@ -30,6 +30,11 @@ synchronises with the host:
 4. ``_combine_kernel`` (grid B*HQ): merges the split partials, writes the output
    in q's dtype and tau (softmax: the log-sum-exp; a head with no kept token
    gets zeros and tau = +inf).
+
+Entmax usually replaces 2-4 with one launch, ``_finish_kernel`` (grid B*HQ):
+the solve, then the support (p > 0) compacted into the head's own candidate
+lists and its V rows gathered, the output written directly (FINISH_* below
+say when).
 """
 from __future__ import annotations
 
@@ -86,8 +91,33 @@ LB_MODE = {"one_head": 1, "dot_folded": 1, "dot_rows": 0}
 # _solve_kernel: iterate in registers when every candidate list of a head fits
 # one tile (tests switch it off to cover the memory path on small shapes).
 SOLVE_IN_REGS = True
+# Candidates in the solve's tile ([NS_P2, SOLVE_TILE // NS_P2]; tests shrink it).
+SOLVE_TILE = 2048
 VACC_SMALL_D = (128, 4, True)
 VACC_LARGE_D = (32, 1, False)
+# Entmax finishes in one launch, _finish_kernel (the solve, the V rows of
+# the support, the output), instead of _solve_kernel + _vacc_kernel +
+# _combine_kernel, when every candidate list always fits the solve's
+# register tile (top-k budgets), on the tl.dot path, or with at most
+# FINISH_MAX_SPLITS splits per row; FINISH_WARPS: (lists that always fit,
+# the others). Measured on the H200 (whole steps from CUDA graphs, one call,
+# A/B in rounds, results/experiments.log 2026-12-01 eighth session), three
+# launches -> one: entmax top-k 1024 at 1 x 2M / 8 x 128k / 8 x 32k / GQA
+# 4 x 32k / 4 x 128k 0.1500 / 0.1041 / 0.0587 / 0.0536 / 0.0790 -> 0.1492 /
+# 0.1022 / 0.0573 / 0.0501 / 0.0757 ms with 4 warps (8 warps: 0.1501 / 0.1046
+# / 0.0598 / 0.0502 / 0.0761); with 8 warps, top-k 4096 (4 splits) 8 x 128k
+# 0.1263 -> 0.1244, GQA 4 x 32k 0.0877 -> 0.0844; dense entmax (2 splits)
+# 8 x 128k 0.4559 -> 0.4522, GQA 4 x 32k 0.1126 -> 0.1090; GQA Gaussian /
+# certified 4 x 32k 0.1680 / 0.1824 -> 0.1629 / 0.1804. Not with many splits
+# on the one-head path, where the compaction walks long lists: 1 x 2M
+# Gaussian (44 splits) 0.1959 -> 0.2162, certified 1.117 -> 1.193, dense
+# 0.888 -> 0.920; paper Gaussian 8 x 32k (6 splits) 0.1740 -> 0.1761.
+# FINISH_BLOCK: support tokens per V block (at most 8192 // BLOCK_D).
+# False: always the three launches.
+FINISH = True
+FINISH_MAX_SPLITS = 4
+FINISH_WARPS = (4, 8)
+FINISH_BLOCK = 256
 
 
 # ---------------------------------------------------------------------------
@@ -789,6 +819,21 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
 
 
 @triton.jit
+def _row_lists(cn_ptr, clb_ptr, cm_ptr, tinit_ptr, i_r, o_s, NSPLIT: tl.constexpr, HAS_INIT: tl.constexpr):
+    """What the splits of query-head row i_r left for the solve: (lb, m, the
+    list lengths n_s [NS_P2], their max and sum, the warm start or 0)."""
+    m_s = o_s < NSPLIT
+    lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
+    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
+    if HAS_INIT:
+        t_init = tl.load(tinit_ptr + i_r)
+    else:
+        t_init = 0.0
+    return lb, m, n_s, tl.max(n_s, axis=0), tl.sum(n_s, axis=0), t_init
+
+
+@triton.jit
 def _solve_kernel(
     cx_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr,
     alpha, beta, CAP,
@@ -802,17 +847,9 @@ def _solve_kernel(
     pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, NS_P2)
-    m_s = o_s < NSPLIT
-    lb = tl.max(tl.load(clb_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    m = tl.max(tl.load(cm_ptr + i_r * NSPLIT + o_s, mask=m_s, other=float("-inf")), axis=0)
-    n_s = tl.load(cn_ptr + i_r * NSPLIT + o_s, mask=m_s, other=0)
-    if HAS_INIT:
-        t_init = tl.load(tinit_ptr + i_r)
-    else:
-        t_init = 0.0
+    lb, m, n_s, max_n, total, t_init = _row_lists(cn_ptr, clb_ptr, cm_ptr, tinit_ptr, i_r, o_s,
+                                                  NSPLIT, HAS_INIT)
     p_x = cx_ptr + i_r * NSPLIT * CAP
-    max_n = tl.max(n_s, axis=0)
-    total = tl.sum(n_s, axis=0)
     if IN_REGS and max_n <= BLOCK_K:
         # every list fits one [NS_P2, BLOCK_K] tile (short selections): load it
         # once and iterate in registers, not one round trip to L2 per step
@@ -827,6 +864,15 @@ def _solve_kernel(
                          t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
                          HALLEY, POLISH, NEWTON_CAP, False)
     tl.store(tau_ptr + i_r, tau)
+
+
+@triton.jit
+def _pv_rows(v_ptr, b_tok, b_p, m_p, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P: tl.constexpr):
+    """p * V [BLOCK_C, BLOCK_D] for physical token ids b_tok of KV head kvh;
+    rows outside m_p load nothing and give 0."""
+    o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
+    b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+    return tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
 
 
 @triton.jit
@@ -868,9 +914,7 @@ def _vacc_kernel(
         b_tok = tl.load(ci_ptr + p_l + o_j, mask=m_j, other=0)
         b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
         m_p = m_j & (b_p > 0)
-        o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
-        b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
-        b_pv = tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
+        b_pv = _pv_rows(v_ptr, b_tok, b_p, m_p, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P)
         if ACC_ROWS:
             b_acc += b_pv
         else:
@@ -880,6 +924,119 @@ def _vacc_kernel(
     else:
         b_out = b_acc
     tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, b_out, mask=m_d)
+
+
+@triton.jit
+def _support_slot(base, w, CAP, cw, NSPLIT: tl.constexpr):
+    """Slot of the w-th support token: the w-th slot of the row's lists
+    [NSPLIT, CAP] in chunk order (chunks of cw columns, each split's columns
+    in turn). cw = CAP gives the flat order."""
+    chunk = w // (NSPLIT * cw)
+    r = w % (NSPLIT * cw)
+    return base + chunk * cw + (r // cw) * CAP + r % cw
+
+
+@triton.jit
+def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, tau, beta, CAP,
+                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BETA_KIND: tl.constexpr):
+    """Stores (p, token id) of the candidates b_x with p > 0 as support
+    tokens w0, w0 + 1, ... (_support_slot with chunks of BLOCK_M columns; 0:
+    the flat order) and returns how many. All of this program's threads must
+    have read those slots already."""
+    b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+    keep = b_p > 0
+    o_w = w0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    if BLOCK_M == 0:
+        o_c = base + o_w
+    else:
+        o_c = _support_slot(base, o_w, CAP, BLOCK_M, NSPLIT)
+    tl.debug_barrier()  # every thread's candidates are read before any slot is overwritten
+    tl.store(cx_ptr + o_c, b_p, mask=keep)
+    tl.store(ci_ptr + o_c, b_tok, mask=keep)
+    return tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _finish_kernel(
+    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr, v_ptr, out_ptr,
+    alpha, beta, CAP,
+    stride_vp, stride_vh, stride_vr, stride_ob, stride_oh,
+    HQ, G,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
+    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, MODE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The work of _solve_kernel, _vacc_kernel and _combine_kernel for one
+    query head in one program.
+
+    tau is solved over the candidates as _solve_kernel does: in registers
+    when every list fits one [NS_P2, BLOCK_K] tile (MODE 0: always, as for
+    top-k budgets; 1: when this row's do), else from memory (MODE 2: always).
+    Then the support (p > 0, usually a handful of tokens) is compacted into
+    the row's own, already read, candidate lists (cumsum positions), and the
+    V rows are gathered in blocks of BLOCK_C support tokens, not over every
+    candidate; their sum is the output (entmax needs no rescaling across
+    splits)."""
+    pdl_start(PDL)
+    i_r = tl.program_id(0).to(tl.int64)  # b * HQ + query head
+    o_s = tl.arange(0, NS_P2)
+    lb, m, n_s, max_n, total, t_init = _row_lists(cn_ptr, clb_ptr, cm_ptr, tinit_ptr, i_r, o_s,
+                                                  NSPLIT, HAS_INIT)
+    base = i_r * NSPLIT * CAP
+    if MODE == 0:
+        in_regs = True
+    elif MODE == 1:
+        in_regs = max_n <= BLOCK_K
+    else:
+        in_regs = False
+    if in_regs:
+        o_k = tl.arange(0, BLOCK_K)
+        o_x = base + (o_s.to(tl.int64) * CAP)[:, None] + o_k[None, :]
+        m_x = o_k[None, :] < n_s[:, None]
+        b_xr = tl.reshape(tl.load(cx_ptr + o_x, mask=m_x, other=float("-inf")), [NS_P2 * BLOCK_K])
+        b_tok = tl.reshape(tl.load(ci_ptr + o_x, mask=m_x, other=0), [NS_P2 * BLOCK_K])
+        tau = _solve_tau(cx_ptr + base, n_s, max_n, b_xr, lb, m, total,
+                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                         HALLEY, POLISH, NEWTON_CAP, True)
+        n_sup = _compact_support(cx_ptr, ci_ptr, base, 0, b_xr, b_tok, tau, beta, CAP, NSPLIT, 0, BETA_KIND)
+        cw = tl.zeros([], tl.int32) + CAP  # (the flat order)
+    else:
+        tau = _solve_tau(cx_ptr + base, n_s, max_n, lb, lb, m, total,
+                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                         HALLEY, POLISH, NEWTON_CAP, False)
+        # [NSPLIT, BLOCK_M] chunks, columns c0.. of every list at once; the
+        # w-th support token goes to the w-th slot in chunk order (chunk,
+        # split, column: _support_slot), which is in a chunk already read
+        # (w < tokens kept so far <= slots read so far); BLOCK_M divides CAP
+        n_sup = tl.zeros([], tl.int32)
+        cw = tl.zeros([], tl.int32) + BLOCK_M
+        o_m = tl.arange(0, BLOCK_M)
+        for c0 in range(0, max_n, BLOCK_M):
+            o_x = base + (o_s.to(tl.int64) * CAP)[:, None] + (c0 + o_m)[None, :]
+            m_x = (c0 + o_m)[None, :] < n_s[:, None]
+            b_x = tl.reshape(tl.load(cx_ptr + o_x, mask=m_x, other=float("-inf")), [NS_P2 * BLOCK_M])
+            b_tok = tl.reshape(tl.load(ci_ptr + o_x, mask=m_x, other=0), [NS_P2 * BLOCK_M])
+            n_sup += _compact_support(cx_ptr, ci_ptr, base, n_sup, b_x, b_tok, tau, beta, CAP,
+                                      NSPLIT, BLOCK_M, BETA_KIND)
+    tl.store(tau_ptr + i_r, tau)  # (an empty row: +inf, every p 0 and the output 0)
+    tl.debug_barrier()  # the compacted support is read back by other threads of this program
+    kvh = (i_r % HQ) // G
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+    for c0 in range(0, n_sup, BLOCK_C):
+        o_j = c0 + tl.arange(0, BLOCK_C)
+        m_j = o_j < n_sup
+        o_w = _support_slot(base, o_j, CAP, cw, NSPLIT)
+        b_pj = tl.load(cx_ptr + o_w, mask=m_j, other=0.0)
+        b_tj = tl.load(ci_ptr + o_w, mask=m_j, other=0)
+        b_acc += _pv_rows(v_ptr, b_tj, b_pj, m_j, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P)
+    b_o = tl.sum(b_acc, axis=0)
+    i_b = i_r // HQ
+    i_h = i_r % HQ
+    tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_d, b_o.to(out_ptr.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -999,8 +1156,25 @@ def _run(
         LOOP_STAGES=cfg["LOOP_STAGES"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
-        block_k = max(4, 2048 // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
+        block_k = max(4, SOLVE_TILE // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
         tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
+        fits = CAP <= block_k
+        if want_out and FINISH and (fits or cfg["USE_DOT"] or NSPLIT <= FINISH_MAX_SPLITS):
+            out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
+            block_d = next_pow2(D)
+            _finish_kernel[(R,)](
+                cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out,
+                float(alpha), float(beta), CAP,
+                svp, svh, svr, out.stride(0), out.stride(1),
+                HQ, G,
+                NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k, BLOCK_M=min(block_k, BLOCK_T),  # (divides CAP)
+                P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(FINISH_BLOCK, 8192 // block_d)),
+                BETA_KIND=bk, HAS_INIT=tau_init is not None,
+                HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
+                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2,
+                num_warps=FINISH_WARPS[0 if fits else 1], **opts,
+            )
+            return out, tau.view(B, HQ)
         _solve_kernel[(R,)](
             cx, cn, clb, cm, tinit, tau,
             float(alpha), float(beta), CAP,
