@@ -40,10 +40,10 @@ def sets(sel):
     return [[frozenset(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
 
 
-def make(lens, H, G, D, P, dtype, seed):
+def make(lens, H, G, D, P, dtype, seed, key_scale=1.5):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n = max(lens)
-    k = torch.randn(len(lens), n, H, D, device="cuda", generator=gen) * 1.5
+    k = torch.randn(len(lens), n, H, D, device="cuda", generator=gen) * key_scale
     v = torch.randn(len(lens), n, H, D, device="cuda", generator=gen)
     cache, slots = PagedKVCache.from_dense(k, v, lens, P, dtype=dtype, spare_pages=5, shuffle=True,
                                            generator=torch.Generator().manual_seed(seed), device="cuda")
@@ -79,10 +79,11 @@ def main(argv=None):
             run_case(case_i, dtype, D, H, G, P, K, report)
         except Exception as exc:  # noqa: BLE001  (a compile error must not hide the other cases)
             report(f"case {case_i} {dtype} D{D} H{H}G{G} P{P}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
-    try:
-        check_dense_one_head(K, report, dims)
-    except Exception as exc:  # noqa: BLE001
-        report("dense one-head sweep", False, f"{type(exc).__name__}: {str(exc)[:300]}")
+    for name, sweep in (("dense one-head sweep", check_dense_one_head), ("finish sweep", check_finish)):
+        try:
+            sweep(K, report, dims)
+        except Exception as exc:  # noqa: BLE001
+            report(name, False, f"{type(exc).__name__}: {str(exc)[:300]}")
     print(f"\n{n_cases - len(fails)}/{n_cases} checks passed in {time.time() - t0:.0f}s")
     for f in fails[:40]:
         print("  " + f)
@@ -111,6 +112,43 @@ def check_dense_one_head(K, report, dims):
             for alpha in (1.5, 2.0):
                 check_dense(K, report, f"dense one-head a{alpha} {str(dtype)[6:]} D{D} rows {len(lens) * H}",
                             q, cache, ids, alpha, scale, None)
+            del cache
+
+
+def check_finish(K, report, dims):
+    """The ways an entmax head finishes, on nearly flat keys (long candidate
+    lists, a support of most kept tokens): _finish_kernel solving in
+    registers where a row's lists fit, from memory where they do not
+    (attention.SOLVE_TILE shrunk: every list outgrows the tile), and the
+    three launches (attention.FINISH off); dense with one head per program
+    and more rows than multiprocessors (two splits) and on the tl.dot path
+    (G = 4), and over a top-k 1024 selection, whose support spans several V
+    blocks."""
+    from entmaxkv.kernels import attention as A
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = {"registers": {}, "memory": {"SOLVE_TILE": 64}, "three launches": {"FINISH": False}}
+    for dtype, D in itertools.product([torch.float16, torch.bfloat16, torch.float32], [d for d in dims if d in (32, 128)]):
+        for H, G, lens in ((-(-sms // 3) + 1, 1, [1200, 333, 16]), (2, 4, [3000, 700, 19])):
+            cache, ids, q = make(lens, H, G, D, 16, dtype, seed=D + G, key_scale=0.01)
+            scale = 1.0 / math.sqrt(D)
+            for vname, knobs in variants.items():
+                saved = {k: getattr(A, k) for k in knobs}
+                try:
+                    for k, v in knobs.items():
+                        setattr(A, k, v)
+                    for alpha in (1.5, 2.0):
+                        tag = f"{vname} a{alpha} {str(dtype)[6:]} D{D} H{H}G{G}"
+                        check_dense(K, report, f"finish dense {tag}", q, cache, ids, alpha, scale, None)
+                        pol = RP.TopK(1024)
+                        sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
+                        o, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale)
+                        ro, rtau = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=scale)
+                        e, te = rel(o, ro), float((tau.double() - rtau).abs().max())
+                        report(f"finish topk1024 {tag}", e < TOL[dtype] and te < 1e-4, f"rel {e:.1e} tau {te:.1e}")
+                finally:
+                    for k, v in saved.items():
+                        setattr(A, k, v)
             del cache
 
 
