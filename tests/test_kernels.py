@@ -481,14 +481,16 @@ def test_topk_long_rows_prefilter(layout, path, monkeypatch):
 
 @pytest.mark.parametrize("order", ["random", "permutation", "ascending", "descending", "few-values", "equal",
                                    "late-ties"])
-@pytest.mark.parametrize("groups", ["tight", "no-lb", "cut"])
+@pytest.mark.parametrize("groups", ["tight", "tight-buffer", "tight-from-below", "no-lb", "cut"])
 def test_topk_rowsel_key_table(order, groups, monkeypatch):
     """_gmax_kernel + _rowsel_kernel on hand-made key tables against
     torch.topk: the kept keys of each row (3 rows of 1000 / 10 / 750 pages,
     6 or 9 pages kept) must be exactly the row's k largest (as a multiset:
     ties may be kept in any order), at distinct pages of the row. tight: 256
-    groups per row, every listed group read in one tile (the usual case);
-    no-lb: 4 groups, fewer than k, so lb cannot filter and every key is a
+    groups per row, every listed group read in one tile (the usual case),
+    cut in registers from below when at most ROWSEL_FEW keys >= lb are past
+    the budget (buffer: never, through the candidate buffer and the search
+    from above; from-below: whatever the excess, ties included); no-lb: 4 groups, fewer than k, so lb cannot filter and every key is a
     candidate (more than fit the one tile's 512 slots: the step loop, into a
     2048-slot buffer, cut to its k best when full); cut: 64 groups of 16,
     no one-tile pass, 16-key steps into a 32-slot buffer, cut again and
@@ -496,7 +498,8 @@ def test_topk_rowsel_key_table(order, groups, monkeypatch):
     late-ties: a key just above a cut's k-th key arrives after it, and a
     later cut's k-th key is below the first cut's)."""
     tk = sys.modules["entmaxkv.kernels.topk"]
-    monkeypatch.setattr(tk, "GMAX_GROUPS", {"tight": 256, "no-lb": 4, "cut": 64}[groups])
+    monkeypatch.setattr(tk, "GMAX_GROUPS", {"no-lb": 4, "cut": 64}.get(groups, 256))
+    monkeypatch.setattr(tk, "ROWSEL_FEW", {"tight-buffer": -1, "tight-from-below": 10**6}.get(groups, 8))
     monkeypatch.setattr(tk, "ROWSEL_GROUPS_PER_PAGE", 0)
     monkeypatch.setattr(tk, "ROWSEL_GS", 4096)
     if groups == "cut":

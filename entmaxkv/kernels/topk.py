@@ -102,6 +102,15 @@ ROWSEL_GS = 64
 ROWSEL_NT = 4
 ROWSEL_SMALL = 512
 ROWSEL_ONE = 8192
+# Rows whose one tile (of at most ROWSEL_FEW_TILE keys) holds at most
+# ROWSEL_FEW keys >= lb past the budget are cut from below in registers
+# (cut_from_below) instead of through the candidate buffer; -1: never.
+# Measured on the H200 (results/rowsel.log section 8, whole steps, one
+# call): 1 x 2M Quest / entmax k1024 0.1440 / 0.1492 -> 0.1413 / 0.1466 ms,
+# 8 x 1M 0.4632 / 0.4751 -> 0.4605 / 0.4683; 8 x 512k within +0.7%; with
+# the 8192-key tiles of top-k 4096 8 x 1M 0.503 -> 0.518, hence the tile cap.
+ROWSEL_FEW = 8
+ROWSEL_FEW_TILE = 4096
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -226,6 +235,22 @@ def kth_largest_nt(keys, K, NT: tl.constexpr):
             lo = tl.max(tl.where(ge, mid, lo), axis=0)
             hi = tl.min(tl.where(ge, hi, mid - 1), axis=0)
         T = lo.to(tl.int32)
+    return T
+
+
+@triton.jit
+def cut_from_below(keys, m_w, lo, K):
+    """A cut T for _keep_top over the valid keys (m_w; all >= lo, at least K
+    of them): at most K keys > T and at least K keys >= T. Found from below:
+    T starts at lo and steps to the next larger key while more than K keys
+    are above it. One count and one min per distinct key passed, so for
+    tiles that hold only a few keys more than K (the search from above
+    takes ~11 rounds of three reductions whatever the excess)."""
+    T = lo
+    n_gt = tl.sum((m_w & (keys > T)).to(tl.int32), axis=0)
+    while n_gt > K:
+        T = tl.min(tl.where(m_w & (keys > T), keys, 2147483647), axis=0)
+        n_gt = tl.sum((m_w & (keys > T)).to(tl.int32), axis=0)
     return T
 
 
@@ -595,7 +620,7 @@ def _rowsel_kernel(
     MK, NKP, W, sinks, window, k_pages,
     S: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, NKP_P2: tl.constexpr,
     GB: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, ONE_G: tl.constexpr, NT: tl.constexpr,
-    PDL: tl.constexpr,
+    FEW: tl.constexpr, PDL: tl.constexpr,
 ):
     """A whole row's selection in one program, from its key table and group
     maxima (_gmax_kernel): lb = the k_row-th largest group maximum (as
@@ -606,7 +631,11 @@ def _rowsel_kernel(
     the buffer is cut to its k_row best (its k_row-th key T, searched) and
     from then on only keys > T are taken: k_row keys >= T are already held,
     so a later key equal to T is only a tie, and ties may be kept in any
-    order. Last, the same cut over the buffer emits the row's pages.
+    order. Last, the same cut over the buffer emits the row's pages. The
+    usual row (every listed group in one tile, at most FEW keys >= lb past
+    its budget: lb is the k_row-th largest group maximum, so only groups
+    holding two of the best keys add any) is cut in registers from below
+    (cut_from_below) and emitted with no buffer at all.
     Replaces _lb_kernel + _chunk_kernel + _merge_kernel (three dependent
     launches) when CAP >= GB * GS + next_pow2(W)."""
     pdl_start(PDL)
@@ -632,6 +661,8 @@ def _rowsel_kernel(
     lo = lb
     n_c = tl.zeros([], tl.int32)
     n_end = n_grp
+    done = tl.zeros([], tl.int32)
+    n_out = tl.zeros([], tl.int32)
     if n_grp <= ONE_G:
         # the usual case: every listed group in one tile and at most SMALL
         # keys >= lb in them (one round trip for the ids and keys, no loop)
@@ -641,9 +672,17 @@ def _rowsel_kernel(
         b_q = tl.load(p_row + g_q[:, None] * GS + o_s[None, :], mask=m_q[:, None], other=INT32_MIN)
         m_qi = tl.reshape((b_q >= lb) & (b_q > INT32_MIN), [ONE_G * GS])
         c_q = tl.sum(m_qi.to(tl.int32), axis=0)
-        if c_q <= SMALL:
-            _append(p_ck, p_cp, n_c, tl.reshape(b_q, [ONE_G * GS]),
-                    tl.reshape(g_q[:, None] * GS + o_s[None, :], [ONE_G * GS]), m_qi)
+        f_q = tl.reshape(b_q, [ONE_G * GS])
+        f_pg = tl.reshape(g_q[:, None] * GS + o_s[None, :], [ONE_G * GS])
+        if (FEW >= 0) & (c_q - k_row <= FEW):
+            # few keys past the budget: the cut from below, over the tile as loaded
+            T = cut_from_below(f_q, m_qi, lb, k_row)
+            m_sel, i_out, n_out = _keep_top(f_q, m_qi, T, k_row)
+            tl.store(pages_ptr + i_r * W + i_out, f_pg, mask=m_sel)
+            done = tl.full([], 1, tl.int32)
+            n_end = 0
+        elif c_q <= SMALL:
+            _append(p_ck, p_cp, n_c, f_q, f_pg, m_qi)
             n_c = c_q
             n_end = 0
     m_j = o_j < n_end
@@ -673,11 +712,12 @@ def _rowsel_kernel(
             _append(p_ck, p_cp, n_c, b_key, b_page, m_in)
             n_c += c
     # -- the row's k_row best candidates (at least k_row are held)
-    tl.debug_barrier()
-    if n_c <= SMALL:  # the usual case: a short tile, NT thresholds per round
-        n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, SMALL, NT)
-    else:
-        n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, CAP, 1)
+    if done == 0:
+        tl.debug_barrier()
+        if n_c <= SMALL:  # a short tile, NT thresholds per round
+            n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, SMALL, NT)
+        else:
+            n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, CAP, 1)
     tl.store(counts_ptr + i_r, n_out)
 
 
@@ -739,11 +779,12 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     glist = torch.empty(B * S * nkp_p2, dtype=torch.int32, device=keys.device)
     ck = torch.empty(B * S * cap, dtype=torch.int32, device=keys.device)
     cp = torch.empty_like(ck)
+    one_g = max(1, min(next_pow2(W), ROWSEL_ONE // gs))
     _rowsel_kernel[(B * S,)](
         ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts,
         MK, NKP, W, sinks, window, k_pages,
         S=S, P=P, GS=gs, NKP_P2=nkp_p2, GB=blk // gs, CAP=cap, SMALL=min(cap, ROWSEL_SMALL),
-        ONE_G=max(1, min(next_pow2(W), ROWSEL_ONE // gs)), NT=ROWSEL_NT,
+        ONE_G=one_g, NT=ROWSEL_NT, FEW=ROWSEL_FEW if one_g * gs <= ROWSEL_FEW_TILE else -1,
         num_warps=ROWSEL_WARPS or (8 if B * S <= num_sms(keys.device) else 4), **opts,
     )
 
