@@ -101,8 +101,8 @@ VACC_LARGE_D = (32, 1, False)
 # register tile (top-k budgets), on the tl.dot path, or with at most
 # FINISH_MAX_SPLITS splits per row; FINISH_WARPS: (lists that always fit,
 # the others). Measured on the H200 (whole steps from CUDA graphs, one call,
-# A/B in rounds, results/experiments.log 2026-12-01 eighth session), three
-# launches -> one: entmax top-k 1024 at 1 x 2M / 8 x 128k / 8 x 32k / GQA
+# A/B in rounds, results/finish.log section 2), three launches ->
+# one: entmax top-k 1024 at 1 x 2M / 8 x 128k / 8 x 32k / GQA
 # 4 x 32k / 4 x 128k 0.1500 / 0.1041 / 0.0587 / 0.0536 / 0.0790 -> 0.1492 /
 # 0.1022 / 0.0573 / 0.0501 / 0.0757 ms with 4 warps (8 warps: 0.1501 / 0.1046
 # / 0.0598 / 0.0502 / 0.0761); with 8 warps, top-k 4096 (4 splits) 8 x 128k
