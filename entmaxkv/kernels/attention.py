@@ -927,6 +927,19 @@ def _vacc_kernel(
 
 
 @triton.jit
+def _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, c0, CAP, NS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns c0 .. c0 + BLOCK of every candidate list of a row (lengths
+    n_s, CAP slots each from base), flattened split by split: scores (-inf
+    past a list's end) and token ids."""
+    o_c = c0 + tl.arange(0, BLOCK)
+    o_x = base + (o_s.to(tl.int64) * CAP)[:, None] + o_c[None, :]
+    m_x = o_c[None, :] < n_s[:, None]
+    b_x = tl.load(cx_ptr + o_x, mask=m_x, other=float("-inf"))
+    b_tok = tl.load(ci_ptr + o_x, mask=m_x, other=0)
+    return tl.reshape(b_x, [NS_P2 * BLOCK]), tl.reshape(b_tok, [NS_P2 * BLOCK])
+
+
+@triton.jit
 def _support_slot(base, w, CAP, cw, NSPLIT: tl.constexpr):
     """Slot of the w-th support token: the w-th slot of the row's lists
     [NSPLIT, CAP] in chunk order (chunks of cw columns, each split's columns
@@ -992,11 +1005,7 @@ def _finish_kernel(
     else:
         in_regs = False
     if in_regs:
-        o_k = tl.arange(0, BLOCK_K)
-        o_x = base + (o_s.to(tl.int64) * CAP)[:, None] + o_k[None, :]
-        m_x = o_k[None, :] < n_s[:, None]
-        b_xr = tl.reshape(tl.load(cx_ptr + o_x, mask=m_x, other=float("-inf")), [NS_P2 * BLOCK_K])
-        b_tok = tl.reshape(tl.load(ci_ptr + o_x, mask=m_x, other=0), [NS_P2 * BLOCK_K])
+        b_xr, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, 0, CAP, NS_P2, BLOCK_K)
         tau = _solve_tau(cx_ptr + base, n_s, max_n, b_xr, lb, m, total,
                          t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
                          HALLEY, POLISH, NEWTON_CAP, True)
@@ -1012,12 +1021,8 @@ def _finish_kernel(
         # (w < tokens kept so far <= slots read so far); BLOCK_M divides CAP
         n_sup = tl.zeros([], tl.int32)
         cw = tl.zeros([], tl.int32) + BLOCK_M
-        o_m = tl.arange(0, BLOCK_M)
         for c0 in range(0, max_n, BLOCK_M):
-            o_x = base + (o_s.to(tl.int64) * CAP)[:, None] + (c0 + o_m)[None, :]
-            m_x = (c0 + o_m)[None, :] < n_s[:, None]
-            b_x = tl.reshape(tl.load(cx_ptr + o_x, mask=m_x, other=float("-inf")), [NS_P2 * BLOCK_M])
-            b_tok = tl.reshape(tl.load(ci_ptr + o_x, mask=m_x, other=0), [NS_P2 * BLOCK_M])
+            b_x, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, c0, CAP, NS_P2, BLOCK_M)
             n_sup += _compact_support(cx_ptr, ci_ptr, base, n_sup, b_x, b_tok, tau, beta, CAP,
                                       NSPLIT, BLOCK_M, BETA_KIND)
     tl.store(tau_ptr + i_r, tau)  # (an empty row: +inf, every p 0 and the output 0)

@@ -265,6 +265,17 @@ def row_budget(n, sinks, window, k_pages, P: tl.constexpr):
     return npages, wnd, k_row
 
 
+@triton.jit
+def _keep_mask(b_key, m_w, T, k_row):
+    """Of the valid keys m_w of a 1-D block: those > T, then ties at T (in
+    block order) while fewer than k_row are kept."""
+    m_gt = m_w & (b_key > T)
+    m_eq = m_w & (b_key == T)
+    n_gt = tl.sum(m_gt.to(tl.int32), axis=0)
+    r_eq = tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
+    return m_gt | (m_eq & (r_eq < k_row - n_gt))
+
+
 # ---------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------
@@ -456,11 +467,7 @@ def _chunk_kernel(
         # bisection on the key bits between lb and the largest key, then every
         # key above it and ties at it up to k_row pages
         T = kth_largest(tl.maximum(b_key, lb), k_row)
-        m_gt = m_ok & (b_key > T)
-        m_eq = m_ok & (b_key == T)
-        n_gt = tl.sum(m_gt.to(tl.int32))
-        rank_eq = tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
-        m_sel = m_gt | (m_eq & (rank_eq < k_row - n_gt))
+        m_sel = _keep_mask(b_key, m_ok, T, k_row)
     else:  # every survivor is among the chunk's k_row best (the usual case past 64k tokens)
         m_sel = m_in
     n_sel = tl.sum(m_sel.to(tl.int32))
@@ -571,13 +578,8 @@ def _merge_kernel(
 
 @triton.jit
 def _keep_top(b_key, m_w, T, k_row):
-    """Of the valid keys m_w of a 1-D block: those > T, then ties at T while
-    fewer than k_row are kept. Returns (kept mask, output index, count)."""
-    m_gt = m_w & (b_key > T)
-    m_eq = m_w & (b_key == T)
-    n_gt = tl.sum(m_gt.to(tl.int32), axis=0)
-    r_eq = tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
-    m_sel = m_gt | (m_eq & (r_eq < k_row - n_gt))
+    """_keep_mask, with each kept key's output index and the count kept."""
+    m_sel = _keep_mask(b_key, m_w, T, k_row)
     f_sel = m_sel.to(tl.int32)
     return m_sel, tl.cumsum(f_sel, axis=0) - 1, tl.sum(f_sel, axis=0)
 
