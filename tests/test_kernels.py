@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
-
+import triton.language as tl  # noqa: E402
 
 from helpers import load_kernels  # noqa: E402
 
@@ -426,7 +426,7 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
 
 
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
-@pytest.mark.parametrize("path", ["rowsel", "rowsel-cut", "chunks", "no-prefilter"])
+@pytest.mark.parametrize("path", ["rowsel", "rowsel-cut", "chunks", "chunks-exact-lb", "no-prefilter"])
 def test_topk_long_rows_prefilter(layout, path, monkeypatch):
     """Long MHA rows, small budget: more group maxima (_gmax_kernel) than
     pages kept, so no page below the k-th largest group maximum lb is read
@@ -435,8 +435,9 @@ def test_topk_long_rows_prefilter(layout, path, monkeypatch):
     buffer overflows and is cut to its k best (again and again when
     clustered or tied); chunks: _lb_kernel, then _chunk_kernel drops the
     pages below lb and bisects the chunks left with more than k (clustered:
-    the best pages crowd into one chunk) and _merge_kernel merges them;
-    no-prefilter: every chunk bisects. ties: 300 pages share the top bound,
+    the best pages crowd into one chunk) and _merge_kernel merges them
+    (lb stopped early, at most LB_E maxima past k; exact-lb: bisected to the
+    k-th maximum); no-prefilter: every chunk bisects. ties: 300 pages share the top bound,
     so which pages are kept is arbitrary but they must be k_row pages of the
     top rank."""
     tk = sys.modules["entmaxkv.kernels.topk"]
@@ -445,6 +446,9 @@ def test_topk_long_rows_prefilter(layout, path, monkeypatch):
     monkeypatch.setattr(tk, "ROWSEL_MIN_PAGES", 0)
     if path == "rowsel-cut":
         monkeypatch.setattr(tk, "ROWSEL_BLK", 8)
+    if path == "chunks-exact-lb":
+        monkeypatch.setattr(tk, "LB_NT", 1)
+        monkeypatch.setattr(tk, "LB_E", -1)
     gen = torch.Generator().manual_seed(21)
     B, n, H, D, P = 2, 4000, 2, 16, 4
     k = torch.randn(B, n, H, D, generator=gen)
@@ -481,7 +485,7 @@ def test_topk_long_rows_prefilter(layout, path, monkeypatch):
 
 @pytest.mark.parametrize("order", ["random", "permutation", "ascending", "descending", "few-values", "equal",
                                    "late-ties"])
-@pytest.mark.parametrize("groups", ["tight", "tight-buffer", "tight-from-below", "no-lb", "cut"])
+@pytest.mark.parametrize("groups", ["tight", "tight-exact-lb", "tight-buffer", "tight-from-below", "no-lb", "cut"])
 def test_topk_rowsel_key_table(order, groups, monkeypatch):
     """_gmax_kernel + _rowsel_kernel on hand-made key tables against
     torch.topk: the kept keys of each row (3 rows of 1000 / 10 / 750 pages,
@@ -490,7 +494,9 @@ def test_topk_rowsel_key_table(order, groups, monkeypatch):
     groups per row, every listed group read in one tile (the usual case),
     cut in registers from below when at most ROWSEL_FEW keys >= lb are past
     the budget (buffer: never, through the candidate buffer and the search
-    from above; from-below: whatever the excess, ties included); no-lb: 4 groups, fewer than k, so lb cannot filter and every key is a
+    from above; from-below: whatever the excess, ties included), lb's search
+    stopped as soon as no more than k maxima reach it (exact-lb: searched to
+    the k-th maximum, ROWSEL_E = -1); no-lb: 4 groups, fewer than k, so lb cannot filter and every key is a
     candidate (more than fit the one tile's 512 slots: the step loop, into a
     2048-slot buffer, cut to its k best when full); cut: 64 groups of 16,
     no one-tile pass, 16-key steps into a 32-slot buffer, cut again and
@@ -500,6 +506,7 @@ def test_topk_rowsel_key_table(order, groups, monkeypatch):
     tk = sys.modules["entmaxkv.kernels.topk"]
     monkeypatch.setattr(tk, "GMAX_GROUPS", {"no-lb": 4, "cut": 64}.get(groups, 256))
     monkeypatch.setattr(tk, "ROWSEL_FEW", {"tight-buffer": -1, "tight-from-below": 10**6}.get(groups, 8))
+    monkeypatch.setattr(tk, "ROWSEL_E", -1 if groups == "tight-exact-lb" else 0)
     monkeypatch.setattr(tk, "ROWSEL_GROUPS_PER_PAGE", 0)
     monkeypatch.setattr(tk, "ROWSEL_GS", 4096)
     if groups == "cut":
@@ -539,6 +546,50 @@ def test_topk_rowsel_key_table(order, groups, monkeypatch):
             assert len(set(got.tolist())) == k_row and int(got.min()) >= 0 and int(got.max()) < m
             want = torch.topk(keys[r, :m], k_row).values
             assert torch.equal(torch.sort(keys[r, got]).values, torch.sort(want).values), (r, order)
+
+
+TK = sys.modules["entmaxkv.kernels.topk"]
+
+
+@triton.jit
+def _kth_probe(key_ptr, k_ptr, out_ptr, N: tl.constexpr, NT: tl.constexpr, E: tl.constexpr):
+    """One row of N keys per program: kth_largest_nt(keys, k[row], NT, E)."""
+    i = tl.program_id(0)
+    b_key = tl.load(key_ptr + i * N + tl.arange(0, N))
+    tl.store(out_ptr + i, TK.kth_largest_nt(b_key, tl.load(k_ptr + i), NT, E))
+
+
+@pytest.mark.parametrize("NT,E", [(1, -1), (4, -1), (4, 0), (4, 3), (8, 0)])
+def test_kth_largest_nt_early_stop(NT, E):
+    """kth_largest_nt on rows of 256 int32 keys (random over the whole range,
+    a narrow range with ties, +inf keys of forced pages, INT32_MIN padding)
+    against torch.topk's k-th value v: exact (T == v) for E < 0 or NT = 1;
+    with E >= 0 a lower bound, T <= v, with count(keys >= T) >= k and either
+    T == v or count(keys >= T) <= k + E. Some row must stop early (T < v) for
+    E >= 0, so the early stop is really exercised."""
+    gen = torch.Generator().manual_seed(NT * 10 + E)
+    N, R = 256, 48
+    keys = torch.randint(-2**31 + 1, 2**31 - 1, (R, N), generator=gen, dtype=torch.int64)
+    keys[12:24] = torch.randint(1000, 1040, (12, N), generator=gen)  # narrow, many ties
+    keys[24:36, :20] = 0x7F800000  # +inf: forced pages
+    keys[36:, 200:] = -2**31  # padding
+    keys = keys.to(torch.int32)
+    k = torch.randint(1, 40, (R,), generator=gen, dtype=torch.int32)
+    out = torch.empty(R, dtype=torch.int32, device=DEV)
+    _kth_probe[(R,)](keys.to(DEV), k.to(DEV), out, N=N, NT=NT, E=E)
+    out = out.cpu()
+    early = 0
+    for r in range(R):
+        v = int(torch.topk(keys[r], int(k[r])).values[-1])
+        t = int(out[r])
+        c = int((keys[r] >= t).sum())
+        if E < 0 or NT == 1:
+            assert t == v, (r, t, v)
+        else:
+            assert t <= v and c >= int(k[r]) and (t == v or c <= int(k[r]) + E), (r, t, v, c)
+            early += t < v
+    if E >= 0 and NT > 1:
+        assert early > 0
 
 
 @pytest.mark.parametrize("H,hg", [(6, None), (12, 4), (5, 8), (4, 1)], ids=["h6", "h12-hg4", "h5-masked", "h4-hg1"])

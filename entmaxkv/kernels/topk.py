@@ -79,6 +79,14 @@ KEYS_TUNE: dict = {}
 # Warps of _lb_kernel (its bisection over ~512 maxima is latency-bound: one
 # warp reduces with shuffles only).
 LB_WARPS = 1
+# Thresholds per round of _lb_kernel's search and its early stop
+# (kth_largest_nt's E; -1: exact). Measured on the H200 (whole steps, one
+# call, results/rowsel.log section 9), bisection -> 4 thresholds stopping at
+# most 4 maxima past k: 8 x 128k Quest / entmax top-k 1024 0.0964 / 0.1029
+# -> 0.0955 / 0.1015 ms, 8 x 32k 0.0510 / 0.0573 -> 0.0494 / 0.0560 (E = 0:
+# 0.0973 / 0.1033 at 128k).
+LB_NT = 4
+LB_E = 4
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
 # One _rowsel_kernel program per row after the group maxima instead of
@@ -89,16 +97,23 @@ MERGE_REGS = 16384
 # results/rowsel.log).
 # Then: warps (0: 8 when every row has a multiprocessor of its own, else 4:
 # two programs per SM), keys per step of the general loop, groups per kept
-# page and largest group (more groups: fewer keys read past lb, a longer
-# search for it), thresholds counted per search round, candidates searched
-# in the short final tile, keys of the one-tile pass.
+# page, largest group and smallest (more groups: fewer keys read past lb, a
+# longer search for it), thresholds counted per search round, candidates
+# searched in the short final tile, keys of the one-tile pass. 16 groups per
+# kept page with groups of at least 16 keys, against 8 per page (results/
+# rowsel.log section 9, ROWSEL_E = 0 in both): top-k 4096 at 1 x 2M / 8 x 1M
+# 0.1644 / 0.5027 -> 0.1565 / 0.4996 ms (groups of 32 / 16 keys, not 64 /
+# 32), top-k 1024 at 8 x 512k Quest / entmax 0.2565 / 0.2673 -> 0.2517 /
+# 0.2599 (32, not 64); top-k 4096 at 8 x 512k stays at 16 (with 8: 0.2839 ->
+# 0.2882).
 ROWSEL = True
 ROWSEL_MAX_W = 512
 ROWSEL_MIN_PAGES = 16384
 ROWSEL_WARPS = 0
 ROWSEL_BLK = 1024
-ROWSEL_GROUPS_PER_PAGE = 8
+ROWSEL_GROUPS_PER_PAGE = 16
 ROWSEL_GS = 64
+ROWSEL_MIN_GS = 16
 ROWSEL_NT = 4
 ROWSEL_SMALL = 512
 ROWSEL_ONE = 8192
@@ -111,6 +126,14 @@ ROWSEL_ONE = 8192
 # the 8192-key tiles of top-k 4096 8 x 1M 0.503 -> 0.518, hence the tile cap.
 ROWSEL_FEW = 8
 ROWSEL_FEW_TILE = 4096
+# lb of _rowsel_kernel stops its search once at most k_row + ROWSEL_E group
+# maxima reach it (kth_largest_nt's E; -1: the exact k_row-th maximum).
+# E = 0 lists the same groups and saves the rounds inside the gap below the
+# k-th maximum: 1 x 2M Quest / entmax top-k 1024 0.1429 / 0.1479 -> 0.1401 /
+# 0.1455 ms, 8 x 512k 0.2587 / 0.2693 -> 0.2565 / 0.2673; E > 0 lists more
+# groups than the one tile holds (E = 1: 0.1441 / 0.1494 ms at 1 x 2M;
+# results/rowsel.log section 9).
+ROWSEL_E = 0
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -212,12 +235,18 @@ def kth_largest(keys, K):
 
 
 @triton.jit
-def kth_largest_nt(keys, K, NT: tl.constexpr):
+def kth_largest_nt(keys, K, NT: tl.constexpr, E: tl.constexpr):
     """kth_largest counting NT thresholds per round, spread over the open
     range (about log_NT of the range's size in rounds: 7 for 16 thresholds
     and keys within a few binades, against ~24): for one program per row,
     where the search waits on its reductions rather than on ALU work.
-    NT = 1 is kth_largest's bisection."""
+    NT = 1 is kth_largest's bisection.
+    E >= 0 (NT > 1 only) stops early, at a lower bound: the returned T has
+    count(keys >= T) >= K and either is the K-th largest key or has at most
+    K + E keys at or above it. A pre-filter's bound needs no more, and the
+    last rounds of an exact search only close in on the K-th key across the
+    gap below it (E = 0 stops as soon as a threshold lands in that gap: the
+    same keys reach it as reach the K-th key, barring ties). E < 0: exact."""
     if NT == 1:
         T = kth_largest(keys, K)
     else:
@@ -227,13 +256,16 @@ def kth_largest_nt(keys, K, NT: tl.constexpr):
         hi = tl.where(n_inf >= K, tl.max(keys, axis=0), hi_fin).to(tl.int64)
         lo = lo.to(tl.int64)
         o_t = tl.arange(0, NT).to(tl.int64)
+        c_lo = tl.full([], 2147483647, tl.int32)  # count(keys >= lo) once a round has moved lo
         # invariant: count(keys >= lo) >= K > count(keys > hi)
-        while lo < hi:
+        while (lo < hi) & (c_lo > K + E):
             mid = lo + 1 + (o_t * (hi - lo)) // NT  # in (lo, hi], non-decreasing
             c = tl.sum((keys[None, :] >= mid.to(tl.int32)[:, None]).to(tl.int32), axis=1)
             ge = c >= K
             lo = tl.max(tl.where(ge, mid, lo), axis=0)
             hi = tl.min(tl.where(ge, hi, mid - 1), axis=0)
+            if E >= 0:  # counts fall as thresholds rise: lo's is the least of those >= K
+                c_lo = tl.min(tl.where(ge, c, c_lo), axis=0)
         T = lo.to(tl.int32)
     return T
 
@@ -371,20 +403,23 @@ def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr,
 
 
 @triton.jit
-def _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2: tl.constexpr, NT: tl.constexpr):
+def _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2: tl.constexpr, NT: tl.constexpr, E: tl.constexpr):
     """(group index, group maximum) tiles of row i_r and its lb: the k_row-th
-    largest maximum (searched with NT thresholds per round), INT32_MIN when
-    fewer than k_row groups reach it (no filter)."""
+    largest maximum (searched with NT thresholds per round; E >= 0: or a
+    smaller key with at most k_row + E maxima at or above it,
+    kth_largest_nt), INT32_MIN when fewer than k_row groups reach it (no
+    filter)."""
     o_p = tl.arange(0, NKP_P2)
     b_gm = tl.load(gmax_ptr + i_r * NKP + o_p, mask=o_p < NKP, other=INT32_MIN)
-    lb = kth_largest_nt(b_gm, k_row, NT)
+    lb = kth_largest_nt(b_gm, k_row, NT, E)
     lb = tl.where(tl.sum((b_gm >= lb).to(tl.int32), axis=0) >= k_row, lb, INT32_MIN)
     return o_p, b_gm, lb
 
 
 @triton.jit
 def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
-               S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr, PDL: tl.constexpr):
+               S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr, NT: tl.constexpr, E: tl.constexpr,
+               PDL: tl.constexpr):
     """lb of one row from its NKP group maxima: their k_row-th largest. They
     are keys of distinct pages, so >= k_row pages have key >= lb, the row's
     k_row-th key is >= lb, and no page below lb is ever kept (with fewer than
@@ -397,7 +432,7 @@ def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
-    _o_p, _b_gm, lb = _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2, 1)
+    _o_p, _b_gm, lb = _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2, NT, E)
     tl.store(lb_ptr + i_r, lb)
 
 
@@ -593,7 +628,7 @@ def _buffer_best(p_ck, p_cp, n_c, lb, k_row, N: tl.constexpr, NT: tl.constexpr):
     m_w = o_n < n_c
     f_key = tl.load(p_ck + o_n, mask=m_w, other=INT32_MIN)
     f_page = tl.load(p_cp + o_n, mask=m_w, other=0)
-    T = kth_largest_nt(tl.where(m_w, f_key, lb), k_row, NT)
+    T = kth_largest_nt(tl.where(m_w, f_key, lb), k_row, NT, -1)
     m_sel, i_out, n_sel = _keep_top(f_key, m_w, T, k_row)
     return f_key, f_page, m_sel, i_out, n_sel, T
 
@@ -622,7 +657,7 @@ def _rowsel_kernel(
     MK, NKP, W, sinks, window, k_pages,
     S: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, NKP_P2: tl.constexpr,
     GB: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, ONE_G: tl.constexpr, NT: tl.constexpr,
-    FEW: tl.constexpr, PDL: tl.constexpr,
+    FEW: tl.constexpr, E: tl.constexpr, PDL: tl.constexpr,
 ):
     """A whole row's selection in one program, from its key table and group
     maxima (_gmax_kernel): lb = the k_row-th largest group maximum (as
@@ -646,7 +681,7 @@ def _rowsel_kernel(
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
     # -- lb and the list of groups that can hold a kept page
-    o_p, b_gm, lb = _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2, NT)
+    o_p, b_gm, lb = _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2, NT, E)
     m_g = (b_gm >= lb) & (b_gm > INT32_MIN)
     i_g = tl.cumsum(m_g.to(tl.int32), axis=0) - 1
     p_gl = glist_ptr + i_r * NKP_P2
@@ -773,7 +808,8 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     counts: the Selection's int32 [B, S, W] / [B, S], written here."""
     B, S, W = pages.shape
     opts = launch_opts(keys.device)
-    groups = max(GMAX_GROUPS, ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // ROWSEL_GS)
+    groups = min(max(GMAX_GROUPS, ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // ROWSEL_GS),
+                 max(GMAX_GROUPS, MK // ROWSEL_MIN_GS))
     gmax, NKP, gs = launch_gmax(keys, B * S, MK, CH, groups, opts)
     blk = max(ROWSEL_BLK, gs)
     cap = next_pow2(blk + next_pow2(W))
@@ -786,7 +822,7 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
         ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts,
         MK, NKP, W, sinks, window, k_pages,
         S=S, P=P, GS=gs, NKP_P2=nkp_p2, GB=blk // gs, CAP=cap, SMALL=min(cap, ROWSEL_SMALL),
-        ONE_G=one_g, NT=ROWSEL_NT, FEW=ROWSEL_FEW if one_g * gs <= ROWSEL_FEW_TILE else -1,
+        ONE_G=one_g, NT=ROWSEL_NT, FEW=ROWSEL_FEW if one_g * gs <= ROWSEL_FEW_TILE else -1, E=ROWSEL_E,
         num_warps=ROWSEL_WARPS or (8 if B * S <= num_sms(keys.device) else 4), **opts,
     )
 
@@ -864,7 +900,7 @@ def select_topk(
     if prefilter:
         gmax, NKP, _ = launch_gmax(keys, B * S, MK, CH, GMAX_GROUPS, opts)
         _lb_kernel[(B * S,)](gmax, lbs, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
-                             S=S, P=P, NKP_P2=next_pow2(NKP), num_warps=LB_WARPS, **opts)
+                             S=S, P=P, NKP_P2=next_pow2(NKP), NT=LB_NT, E=LB_E, num_warps=LB_WARPS, **opts)
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
         keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
