@@ -164,14 +164,18 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, monkeypatch):
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
 @pytest.mark.parametrize("mode", ["memory", "runtime-choice"])
-def test_finish_support_from_memory_over_several_splits(alpha, mode, monkeypatch):
+@pytest.mark.parametrize("sums", ["fused", "separate"])
+def test_finish_support_from_memory_over_several_splits(alpha, mode, sums, monkeypatch):
     """The one-launch finish (_finish_kernel) over candidate lists longer than its
     register tile, in several splits per row: the solve from memory, the
     support compacted chunk by chunk ([NSPLIT, BLOCK_M] columns at a time)
     into slots already read, then gathered back in that order. Nearly flat
     keys put most tokens in the support. runtime-choice: each row picks the
-    register tile when its lists fit it (the 40-token row) or memory."""
+    register tile when its lists fit it (the 40-token row) or memory. The
+    solve's sums in one multi-operand reduction per step (fused, the
+    default) or one reduction each (FUSED_SUMS off)."""
     A = sys.modules["entmaxkv.kernels.attention"]
+    monkeypatch.setattr(A, "FUSED_SUMS", sums == "fused")
     monkeypatch.setattr(A, "FINISH_MAX_SPLITS", 128)
     monkeypatch.setattr(A, "SOLVE_IN_REGS", mode != "memory")
     monkeypatch.setattr(A, "SOLVE_TILE", 64)

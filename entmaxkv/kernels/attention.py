@@ -116,6 +116,13 @@ VACC_LARGE_D = (32, 1, False)
 # False: always the three launches.
 FINISH = True
 FINISH_MAX_SPLITS = 4
+# The τ solve's sums (count, moments, min, max) in one multi-operand
+# reduction per step instead of one reduction each: one cross-warp exchange
+# per solver step. Measured on the H200 (whole steps, one call,
+# results/finish.log section 5): Gaussian 1 x 2M / 8 x 128k / GQA 4 x 32k
+# 0.1964 / 0.2536 / 0.1634 -> 0.1944 / 0.2512 / 0.1604 ms, entmax top-k 4096
+# at 1 x 2M 0.1554 -> 0.1542, the others the same or up to 1% faster.
+FUSED_SUMS = True
 FINISH_WARPS = (4, 8)
 FINISH_BLOCK = 256
 
@@ -681,9 +688,46 @@ def _terms(b_x, tau, mshift, beta, BETA_KIND: tl.constexpr, ORDER: tl.constexpr)
 
 
 @triton.jit
+def _sum3_min_max(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
+    return a0 + b0, a1 + b1, a2 + b2, tl.minimum(a3, b3), tl.maximum(a4, b4)
+
+
+@triton.jit
+def _sum3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _reduce_terms(t0, t1, t2, t3, t4, AXIS: tl.constexpr, ORDER: tl.constexpr, FUSED: tl.constexpr):
+    """The solver's reductions of _terms along AXIS: sums of t0..t2 and (ORDER
+    0) the min of t3 and max of t4 (ORDER 2: t2 again in their place). FUSED:
+    one multi-operand reduction (one cross-warp exchange for all, not one
+    each: the solve is a chain of such rounds)."""
+    if ORDER == 0:
+        if FUSED:
+            r0, r1, r2, r3, r4 = tl.reduce((t0, t1, t2, t3, t4), AXIS, _sum3_min_max)
+        else:
+            r0 = tl.sum(t0, axis=AXIS)
+            r1 = tl.sum(t1, axis=AXIS)
+            r2 = tl.sum(t2, axis=AXIS)
+            r3 = tl.min(t3, axis=AXIS)
+            r4 = tl.max(t4, axis=AXIS)
+    else:
+        if FUSED:
+            r0, r1, r2 = tl.reduce((t0, t1, t2), AXIS, _sum3)
+        else:
+            r0 = tl.sum(t0, axis=AXIS)
+            r1 = tl.sum(t1, axis=AXIS)
+            r2 = tl.sum(t2, axis=AXIS)
+        r3 = r2
+        r4 = r2
+    return r0, r1, r2, r3, r4
+
+
+@triton.jit
 def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
                NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
-               BETA_KIND: tl.constexpr, ORDER: tl.constexpr):
+               BETA_KIND: tl.constexpr, ORDER: tl.constexpr, FUSED: tl.constexpr):
     """Sums of _terms over the candidates of one head in memory: NSPLIT lists
     of CAP entries at p_x, n_s [NS_P2] entries in use (max_n = their max)."""
     o_s = tl.arange(0, NS_P2)
@@ -703,18 +747,14 @@ def _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP,
         if ORDER == 0:  # (the extrema are unused for ORDER 2)
             a3 = tl.minimum(a3, t3)
             a4 = tl.maximum(a4, t4)
-    r0 = tl.sum(tl.sum(a0, axis=1), axis=0)
-    r1 = tl.sum(tl.sum(a1, axis=1), axis=0)
-    r2 = tl.sum(tl.sum(a2, axis=1), axis=0)
-    r3 = tl.min(tl.min(a3, axis=1), axis=0)
-    r4 = tl.max(tl.max(a4, axis=1), axis=0)
-    return r0, r1, r2, r3, r4
+    r0, r1, r2, r3, r4 = _reduce_terms(a0, a1, a2, a3, a4, 1, ORDER, FUSED)
+    return _reduce_terms(r0, r1, r2, r3, r4, 0, ORDER, FUSED)
 
 
 @triton.jit
 def _sums(p_x, n_s, max_n, b_xr, tau, mshift, beta, CAP,
           NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
-          BETA_KIND: tl.constexpr, ORDER: tl.constexpr, IN_REGS: tl.constexpr):
+          BETA_KIND: tl.constexpr, ORDER: tl.constexpr, IN_REGS: tl.constexpr, FUSED: tl.constexpr):
     """The solver's sums over a head's candidates: from memory (_cand_sums) or,
     IN_REGS, over b_xr (1-D, padding -inf) held in registers.
 
@@ -722,18 +762,10 @@ def _sums(p_x, n_s, max_n, b_xr, tau, mshift, beta, CAP,
     over x > tau; ORDER 2: (f, f', f'', -, -) of f = sum [x - tau]_+^beta - 1."""
     if IN_REGS:
         t0, t1, t2, t3, t4 = _terms(b_xr, tau, mshift, beta, BETA_KIND, ORDER)
-        r0 = tl.sum(t0, axis=0)
-        r1 = tl.sum(t1, axis=0)
-        r2 = tl.sum(t2, axis=0)
-        if ORDER == 0:
-            r3 = tl.min(t3, axis=0)
-            r4 = tl.max(t4, axis=0)
-        else:  # unused
-            r3 = r2
-            r4 = r2
+        r0, r1, r2, r3, r4 = _reduce_terms(t0, t1, t2, t3, t4, 0, ORDER, FUSED)
     else:
         r0, r1, r2, r3, r4 = _cand_sums(p_x, n_s, max_n, tau, mshift, beta, CAP, NS_P2, BLOCK_K,
-                                        BETA_KIND, ORDER)
+                                        BETA_KIND, ORDER, FUSED)
     if ORDER == 2:
         r0 = r0 - 1.0  # f
         r1 = -beta * r1  # f'
@@ -746,7 +778,7 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
                NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
                BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
                HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr,
-               IN_REGS: tl.constexpr):
+               IN_REGS: tl.constexpr, FUSED: tl.constexpr):
     """Exact tau of one query head over its ``total`` candidates (lists in
     memory, or b_xr in registers: see _sums), every other kept x being
     <= lb <= tau; m: their largest x; t_init: the warm start (HAS_INIT).
@@ -768,7 +800,7 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
         go = tl.full([], 1, tl.int32)
         while (go != 0) & (it < NEWTON_CAP):
             k, s1, s2, mn, mx_off = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K,
-                                          BETA_KIND, 0, IN_REGS)
+                                          BETA_KIND, 0, IN_REGS, FUSED)
             kk = tl.maximum(k, 1.0)
             dt = tau - m
             # (tau >= lo, so a closed form rounding below lo is taken as lo)
@@ -798,7 +830,7 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
             tau = lo
         for _ in range(HALLEY):
             f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K,
-                                        BETA_KIND, 2, IN_REGS)
+                                        BETA_KIND, 2, IN_REGS, FUSED)
             above = f > 0
             lo = tl.where(above, tau, lo)
             hi = tl.where(above, hi, tau)
@@ -812,7 +844,7 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, CAP,
             tau = tl.where(ok, cand, 0.5 * (lo + hi))
         for _ in range(POLISH):
             f, d1, d2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, beta, CAP, NS_P2, BLOCK_K,
-                                        BETA_KIND, 2, IN_REGS)
+                                        BETA_KIND, 2, IN_REGS, FUSED)
             step = tl.where(d1 != 0, -f / tl.where(d1 != 0, d1, 1.0), 0.0)
             tau = tl.minimum(tl.maximum(tau + step, lo), hi)
     return tl.where(empty, float("inf"), tau)
@@ -840,7 +872,7 @@ def _solve_kernel(
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, IN_REGS: tl.constexpr,
-    PDL: tl.constexpr,
+    FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Exact tau of one query head over the candidate lists of its splits
     (from registers when they fit one tile, else from memory)."""
@@ -858,11 +890,11 @@ def _solve_kernel(
                       mask=o_k[None, :] < n_s[:, None], other=float("-inf"))
         tau = _solve_tau(p_x, n_s, max_n, tl.reshape(b_x, [NS_P2 * BLOCK_K]), lb, m, total,
                          t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
-                         HALLEY, POLISH, NEWTON_CAP, True)
+                         HALLEY, POLISH, NEWTON_CAP, True, FUSED)
     else:
         tau = _solve_tau(p_x, n_s, max_n, lb, lb, m, total,
                          t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
-                         HALLEY, POLISH, NEWTON_CAP, False)
+                         HALLEY, POLISH, NEWTON_CAP, False, FUSED)
     tl.store(tau_ptr + i_r, tau)
 
 
@@ -979,7 +1011,7 @@ def _finish_kernel(
     P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, MODE: tl.constexpr,
-    PDL: tl.constexpr,
+    FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
     """The work of _solve_kernel, _vacc_kernel and _combine_kernel for one
     query head in one program.
@@ -1008,13 +1040,13 @@ def _finish_kernel(
         b_xr, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, 0, CAP, NS_P2, BLOCK_K)
         tau = _solve_tau(cx_ptr + base, n_s, max_n, b_xr, lb, m, total,
                          t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
-                         HALLEY, POLISH, NEWTON_CAP, True)
+                         HALLEY, POLISH, NEWTON_CAP, True, FUSED)
         n_sup = _compact_support(cx_ptr, ci_ptr, base, 0, b_xr, b_tok, tau, beta, CAP, NSPLIT, 0, BETA_KIND)
         cw = tl.zeros([], tl.int32) + CAP  # (the flat order)
     else:
         tau = _solve_tau(cx_ptr + base, n_s, max_n, lb, lb, m, total,
                          t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
-                         HALLEY, POLISH, NEWTON_CAP, False)
+                         HALLEY, POLISH, NEWTON_CAP, False, FUSED)
         # [NSPLIT, BLOCK_M] chunks, columns c0.. of every list at once; the
         # w-th support token goes to the w-th slot in chunk order (chunk,
         # split, column: _support_slot), which is in a chunk already read
@@ -1176,7 +1208,7 @@ def _run(
                 P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(FINISH_BLOCK, 8192 // block_d)),
                 BETA_KIND=bk, HAS_INIT=tau_init is not None,
                 HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
-                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2,
+                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2, FUSED=FUSED_SUMS,
                 num_warps=FINISH_WARPS[0 if fits else 1], **opts,
             )
             return out, tau.view(B, HQ)
@@ -1186,7 +1218,7 @@ def _run(
             NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
             BETA_KIND=bk, HAS_INIT=tau_init is not None,
             HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX, IN_REGS=SOLVE_IN_REGS,
-            num_warps=8, **opts,
+            FUSED=FUSED_SUMS, num_warps=8, **opts,
         )
         if not want_out:
             return None, tau.view(B, HQ)

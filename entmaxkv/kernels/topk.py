@@ -63,6 +63,10 @@ PREFILTER = True
 # Groups per row behind the pre-filter's lower bound (_lb_kernel finds the
 # k-th largest of them: more groups, a tighter bound, a longer search).
 GMAX_GROUPS = 512
+# Keys per _gmax_kernel program and its warps (8192 keys, 4 or 8 warps: the
+# same or slower in whole steps, results/rowsel.log section 10).
+GMAX_KEYS = 4096
+GMAX_WARPS = 4
 # _keys_kernel stores its keys in the layout they are computed in.
 KEYS_AS_IS = True
 # Pages per _keys_kernel program.
@@ -105,14 +109,15 @@ MERGE_REGS = 16384
 # 0.1644 / 0.5027 -> 0.1565 / 0.4996 ms (groups of 32 / 16 keys, not 64 /
 # 32), top-k 1024 at 8 x 512k Quest / entmax 0.2565 / 0.2673 -> 0.2517 /
 # 0.2599 (32, not 64); top-k 4096 at 8 x 512k stays at 16 (with 8: 0.2839 ->
-# 0.2882).
+# 0.2882). Groups of at most 32 keys, not 64 (section 10): 8 x 1M Quest /
+# entmax top-k 1024 0.4591 / 0.4667 -> 0.4543 / 0.4605 ms, 1 x 2M the same.
 ROWSEL = True
 ROWSEL_MAX_W = 512
 ROWSEL_MIN_PAGES = 16384
 ROWSEL_WARPS = 0
 ROWSEL_BLK = 1024
 ROWSEL_GROUPS_PER_PAGE = 16
-ROWSEL_GS = 64
+ROWSEL_GS = 32
 ROWSEL_MIN_GS = 16
 ROWSEL_NT = 4
 ROWSEL_SMALL = 512
@@ -793,9 +798,9 @@ def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, op
     Returns (gmax int32 [rows * NKP], NKP, group size)."""
     gs = min(CH, next_pow2(cdiv(MK, groups)))
     NKP = MK // gs
-    gb = max(1, 4096 // gs)
+    gb = max(1, GMAX_KEYS // gs)
     gmax = torch.empty(rows * NKP, dtype=torch.int32, device=keys.device)
-    _gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=4, **opts)
+    _gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=GMAX_WARPS, **opts)
     return gmax, NKP, gs
 
 
