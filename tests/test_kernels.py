@@ -172,10 +172,12 @@ def test_finish_support_from_memory_over_several_splits(alpha, mode, sums, monke
     into slots already read, then gathered back in that order. Nearly flat
     keys put most tokens in the support. runtime-choice: each row picks the
     register tile when its lists fit it (the 40-token row) or memory. The
-    solve's sums in one multi-operand reduction per step (fused, the
-    default) or one reduction each (FUSED_SUMS off)."""
+    solve's sums in one multi-operand reduction per step (fused, the GPU's
+    default; the interpreter's only here, FUSED_SUMS_INTERPRETED, as it runs
+    such a reduction element by element) or one reduction each."""
     A = sys.modules["entmaxkv.kernels.attention"]
     monkeypatch.setattr(A, "FUSED_SUMS", sums == "fused")
+    monkeypatch.setattr(A, "FUSED_SUMS_INTERPRETED", sums == "fused")
     monkeypatch.setattr(A, "FINISH_MAX_SPLITS", 128)
     monkeypatch.setattr(A, "SOLVE_IN_REGS", mode != "memory")
     monkeypatch.setattr(A, "SOLVE_TILE", 64)

@@ -116,15 +116,19 @@ VACC_LARGE_D = (32, 1, False)
 # False: always the three launches.
 FINISH = True
 FINISH_MAX_SPLITS = 4
+FINISH_WARPS = (4, 8)
+FINISH_BLOCK = 256
 # The τ solve's sums (count, moments, min, max) in one multi-operand
 # reduction per step instead of one reduction each: one cross-warp exchange
 # per solver step. Measured on the H200 (whole steps, one call,
 # results/finish.log section 5): Gaussian 1 x 2M / 8 x 128k / GQA 4 x 32k
 # 0.1964 / 0.2536 / 0.1634 -> 0.1944 / 0.2512 / 0.1604 ms, entmax top-k 4096
 # at 1 x 2M 0.1554 -> 0.1542, the others the same or up to 1% faster.
+# Triton's interpreter runs a reduction with its own combine function one
+# element at a time in Python (the interpreted tests 7x slower), so there the
+# sums stay separate unless FUSED_SUMS_INTERPRETED (tests) asks for them.
 FUSED_SUMS = True
-FINISH_WARPS = (4, 8)
-FINISH_BLOCK = 256
+FUSED_SUMS_INTERPRETED = False
 
 
 # ---------------------------------------------------------------------------
@@ -1196,6 +1200,7 @@ def _run(
         block_k = max(4, SOLVE_TILE // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
         tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
         fits = CAP <= block_k
+        fused = FUSED_SUMS and (FUSED_SUMS_INTERPRETED or not interpreting())
         if want_out and FINISH and (fits or cfg["USE_DOT"] or NSPLIT <= FINISH_MAX_SPLITS):
             out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
             block_d = next_pow2(D)
@@ -1208,7 +1213,7 @@ def _run(
                 P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(FINISH_BLOCK, 8192 // block_d)),
                 BETA_KIND=bk, HAS_INIT=tau_init is not None,
                 HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
-                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2, FUSED=FUSED_SUMS,
+                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2, FUSED=fused,
                 num_warps=FINISH_WARPS[0 if fits else 1], **opts,
             )
             return out, tau.view(B, HQ)
@@ -1218,7 +1223,7 @@ def _run(
             NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
             BETA_KIND=bk, HAS_INIT=tau_init is not None,
             HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX, IN_REGS=SOLVE_IN_REGS,
-            FUSED=FUSED_SUMS, num_warps=8, **opts,
+            FUSED=fused, num_warps=8, **opts,
         )
         if not want_out:
             return None, tau.view(B, HQ)
