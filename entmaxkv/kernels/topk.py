@@ -80,7 +80,7 @@ CHUNK_WARPS = 0
 CHUNK_BLOCK_M = 0
 # keys_plan overrides (BLOCK_M, KCH, HG, WARPS), for sweeps.
 KEYS_TUNE: dict = {}
-# Warps of _lb_kernel (its bisection over ~512 maxima is latency-bound: one
+# Warps of _lb_kernel (its search over ~512 maxima is latency-bound: one
 # warp reduces with shuffles only).
 LB_WARPS = 1
 # Thresholds per round of _lb_kernel's search and its early stop
