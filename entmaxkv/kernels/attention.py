@@ -1158,7 +1158,6 @@ def _run(
     R = B * HQ
     f32 = torch.float32
     tau = torch.empty(R, dtype=f32, device=dev)
-    pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev)
     beta = 1.0 / (alpha - 1.0) if not softmax else 1.0
     bk = beta_kind(alpha)
     CAP = 1
@@ -1166,6 +1165,7 @@ def _run(
         pm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pl = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         cx = ci = cn = clb = cm = pm  # unused
+        finish = False
     else:
         # one candidate list per (query head, split), room for all its tokens
         # (staged as rows of BLOCK_T slots, then compacted in place)
@@ -1176,6 +1176,11 @@ def _run(
         clb = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
+        block_k = max(4, SOLVE_TILE // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
+        fits = CAP <= block_k
+        finish = want_out and FINISH and (fits or cfg["USE_DOT"] or NSPLIT <= FINISH_MAX_SPLITS)
+    # the split partials, read by _vacc_kernel / _combine_kernel only
+    pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev) if softmax or (want_out and not finish) else pm
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
     lb_mode = LB_MODE[cfg["PATH"]] if newton <= 1 else 0  # the fused step takes one Newton step at most
     opts = launch_opts(dev)
@@ -1197,11 +1202,9 @@ def _run(
         LOOP_STAGES=cfg["LOOP_STAGES"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
-        block_k = max(4, SOLVE_TILE // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
         tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
-        fits = CAP <= block_k
         fused = FUSED_SUMS and (FUSED_SUMS_INTERPRETED or not interpreting())
-        if want_out and FINISH and (fits or cfg["USE_DOT"] or NSPLIT <= FINISH_MAX_SPLITS):
+        if finish:
             out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
             block_d = next_pow2(D)
             _finish_kernel[(R,)](

@@ -425,10 +425,12 @@ def _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2: tl.constexpr, NT: tl.constexpr,
 def _lb_kernel(gmax_ptr, lb_ptr, ids_ptr, lens_ptr, NKP, sinks, window, k_pages,
                S: tl.constexpr, P: tl.constexpr, NKP_P2: tl.constexpr, NT: tl.constexpr, E: tl.constexpr,
                PDL: tl.constexpr):
-    """lb of one row from its NKP group maxima: their k_row-th largest. They
-    are keys of distinct pages, so >= k_row pages have key >= lb, the row's
-    k_row-th key is >= lb, and no page below lb is ever kept (with fewer than
-    k_row groups at or above it: INT32_MIN, no filter). Found once per row
+    """lb of one row from its NKP group maxima: at most their k_row-th largest,
+    with at least k_row (and, stopped early, at most k_row + E) maxima at or
+    above it (_group_lb). They are keys of distinct pages, so >= k_row pages
+    have key >= lb, the row's k_row-th key is >= lb, and no page below lb is
+    ever kept (with fewer than k_row groups at or above it: INT32_MIN, no
+    filter). Found once per row
     here instead of in each of the row's chunk programs, where the bisection
     over the maxima was most of _chunk_kernel's work (22.2 -> 11.0 us at
     1 x 2M)."""
@@ -665,8 +667,8 @@ def _rowsel_kernel(
     FEW: tl.constexpr, E: tl.constexpr, PDL: tl.constexpr,
 ):
     """A whole row's selection in one program, from its key table and group
-    maxima (_gmax_kernel): lb = the k_row-th largest group maximum (as
-    _lb_kernel); then only the groups whose maximum reaches lb are read, GB
+    maxima (_gmax_kernel): lb as _lb_kernel finds it (E = 0: the same groups
+    reach it as reach the k_row-th largest maximum); then only the groups whose maximum reaches lb are read, GB
     groups of GS keys per step (the next step's keys loaded before this
     step's are used), and their keys >= lb are appended to a CAP-slot
     candidate buffer (ck/cp, scratch in L2). When a step would overflow it,
