@@ -27,7 +27,8 @@ max(budget // P, forced) best pages. No sort and no torch.topk:
    NCH * K candidate slots of a row (held in registers when they fit), then
    the kept pages in any order (the Selection contract allows unsorted pages).
 
-For rows of at least ROWSEL_MIN_PAGES pages (and widths up to ROWSEL_MAX_W)
+For widths up to ROWSEL_MAX_W (except short rows with small budgets when
+there are at least as many rows as SMs: ``use_rowsel``)
 one ``_rowsel_kernel`` program per row (grid B*S) replaces steps 0's
 _lb_kernel, 1 and 2: it finds lb from the group maxima, reads only the keys
 of the groups whose maximum reaches lb and selects among those >= lb
@@ -95,10 +96,17 @@ LB_E = 4
 MERGE_REGS = 16384
 # One _rowsel_kernel program per row after the group maxima instead of
 # _lb_kernel + _chunk_kernel + _merge_kernel, for widths up to ROWSEL_MAX_W
-# pages and rows of at least ROWSEL_MIN_PAGES (from 256k tokens at page 16 it
-# was faster at batch 1 and 8; at 128k the chunked chain was at batch 1 and 8
-# (8 x 128k Quest k1024 0.096 against 0.097-0.100 ms), at 32k always:
-# results/rowsel.log).
+# pages, except rows shorter than ROWSEL_MIN_PAGES with budgets of at most
+# ROWSEL_CHAIN_W pages when there are at least as many rows as SMs. Measured
+# on the final kernels (results/rowsel.log section 11, paper heads, batch 1-8
+# x 32k-256k, ms): _rowsel_kernel is faster at every batch below 8 (up to
+# 28%: 1 x 64k Quest k1024 0.0398 -> 0.0284) except top-k 4096 at 1-2 x 32k
+# and 1 x 64k and top-k 1024 at 1 x 128k (+3-4.5%), and at batch 8 for
+# top-k 4096 at 32k / 64k (0.0860 -> 0.0789, 0.0983 -> 0.0907) and top-k
+# 1024 at 128k (Quest 0.0948 -> 0.0916); the chunked chain keeps batch 8's
+# top-k 1024 at 32k / 64k (1.5-4% faster) and loses 2% at 8 x 128k top-k
+# 4096. (Before lb's early stop, the cut from below and the smaller groups,
+# rows below 16384 pages kept the chain: rowsel.log sections 1-6.)
 # Then: warps (0: 8 when every row has a multiprocessor of its own, else 4:
 # two programs per SM), keys per step of the general loop, groups per kept
 # page, largest group and smallest (more groups: fewer keys read past lb, a
@@ -113,7 +121,8 @@ MERGE_REGS = 16384
 # entmax top-k 1024 0.4591 / 0.4667 -> 0.4543 / 0.4605 ms, 1 x 2M the same.
 ROWSEL = True
 ROWSEL_MAX_W = 512
-ROWSEL_MIN_PAGES = 16384
+ROWSEL_MIN_PAGES = 8192
+ROWSEL_CHAIN_W = 64
 ROWSEL_WARPS = 0
 ROWSEL_BLK = 1024
 ROWSEL_GROUPS_PER_PAGE = 16
@@ -806,6 +815,15 @@ def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, op
     return gmax, NKP, gs
 
 
+def use_rowsel(W: int, MK: int, rows: int, sms: int) -> bool:
+    """Whether a pre-filtered selection of W pages from rows of MK key slots
+    (B*S = rows of them) takes _rowsel_kernel rather than the chunked chain
+    (shapes only, so the choice is the same at every replay)."""
+    if not ROWSEL or next_pow2(W) > ROWSEL_MAX_W:
+        return False
+    return MK >= ROWSEL_MIN_PAGES or rows < sms or W > ROWSEL_CHAIN_W
+
+
 def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
                   pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
                   P: int) -> None:
@@ -894,7 +912,7 @@ def select_topk(
     if all_heads:
         launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
                     has_alibi=slopes is not None)
-    if prefilter and ROWSEL and next_pow2(W) <= ROWSEL_MAX_W and MK >= ROWSEL_MIN_PAGES:
+    if prefilter and use_rowsel(W, MK, B * S, num_sms(dev)):
         launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window), k_pages, P)
         return Selection(pages, counts)
     if NCH > 1:
