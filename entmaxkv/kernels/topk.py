@@ -104,9 +104,10 @@ MERGE_REGS = 16384
 # and 1 x 64k and top-k 1024 at 1 x 128k (+3-4.5%), and at batch 8 for
 # top-k 4096 at 32k / 64k (0.0860 -> 0.0789, 0.0983 -> 0.0907) and top-k
 # 1024 at 128k (Quest 0.0948 -> 0.0916); the chunked chain keeps batch 8's
-# top-k 1024 at 32k / 64k (1.5-4% faster) and loses 2% at 8 x 128k top-k
-# 4096. (Before lb's early stop, the cut from below and the smaller groups,
-# rows below 16384 pages kept the chain: rowsel.log sections 1-6.)
+# top-k 1024 at 32k / 64k (1.5-4% faster there). The rule leaves
+# _rowsel_kernel 2% slower than the chain at 8 x 128k top-k 4096. (Before lb's
+# early stop, the cut from below and the smaller groups, rows below 16384
+# pages kept the chain: rowsel.log sections 1-6.)
 # Then: warps (0: 8 when every row has a multiprocessor of its own, else 4:
 # two programs per SM), keys per step of the general loop, groups per kept
 # page, largest group and smallest (more groups: fewer keys read past lb, a
