@@ -238,7 +238,7 @@ def skeleton(cname: str, reps: int, flush: torch.Tensor, budget: int = 1024, rou
     gen = torch.Generator(device="cuda").manual_seed(1)
     # kp distinct random logical pages per (sequence, KV head), as physical page * H + head
     pick = torch.rand(B, H, M, device="cuda", generator=gen).argsort(dim=-1)[..., :kp]
-    phys = cache.block_table[ids.long()].long().gather(1, pick.reshape(B, -1)).view(B, H, kp)
+    phys = bt.view(B, M).long().gather(1, pick.reshape(B, -1)).view(B, H, kp)
     sel = (phys * H + torch.arange(H, device="cuda").view(1, H, 1)).reshape(-1).to(torch.int32).contiguous()
     ek = P * D
     kv = (cache.k_pages.view(-1, ek), cache.v_pages.view(-1, ek))
