@@ -329,25 +329,16 @@ def _keep_mask(b_key, m_w, T, k_row):
 
 
 @triton.jit
-def _keys_kernel(
-    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
+def _keys_chunk(
+    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr, i_b, i_c,
     scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
     M, MK, sinks, window, k_pages,
     H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
-    AS_IS: tl.constexpr, PDL: tl.constexpr,
+    AS_IS: tl.constexpr,
 ):
-    """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
-    (one query head per KV head): each page's metadata of HG heads is read as
-    one contiguous run (HG a power of two dividing H, or next_pow2(H) masked),
-    one (page block, head group) per step. (Loading the next step's metadata
-    before computing this step's keys measured no faster:
-    results/tune_keys.log.) Keys go to
-    key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
-    MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY."""
-    pdl_start(PDL)
-    i_b = tl.program_id(0)
-    i_c = tl.program_id(1)
+    """_keys_kernel's work for batch row i_b and page chunk i_c (a helper, so
+    that a persistent grid can loop over chunks: benchmarks/overlap_proto.py)."""
     KCH: tl.constexpr = NSUB * BLOCK_M
     NHG: tl.constexpr = (H + HG - 1) // HG
     NSTEP: tl.constexpr = NSUB * NHG
@@ -398,6 +389,32 @@ def _keys_kernel(
         b_rank = tl.where(forced[:, None], float("inf"), b_u)
         b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
         store_b32(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, (o_m < MK)[:, None] & m_h[None, :], AS_IS)
+
+
+
+
+@triton.jit
+def _keys_kernel(
+    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
+    scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
+    M, MK, sinks, window, k_pages,
+    H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
+    AS_IS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
+    (one query head per KV head): each page's metadata of HG heads is read as
+    one contiguous run (HG a power of two dividing H, or next_pow2(H) masked),
+    one (page block, head group) per step. (Loading the next step's metadata
+    before computing this step's keys measured no faster:
+    results/tune_keys.log.) Keys go to
+    key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
+    MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY."""
+    pdl_start(PDL)
+    _keys_chunk(q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
+                tl.program_id(0), tl.program_id(1),
+                scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, MK, sinks, window, k_pages,
+                H, HG, P, D, BLOCK_D, BLOCK_M, NSUB, HAS_ALIBI, WRITE_UB, AS_IS)
 
 
 @triton.jit
@@ -669,6 +686,94 @@ def _append(p_ck, p_cp, n_c, b_key, b_page, m_in):
 
 
 @triton.jit
+def _select_row(
+    p_row, gmax_ptr, g_row, p_gl, p_ck, p_cp, p_out, NKP, k_row,
+    GS: tl.constexpr, NKP_P2: tl.constexpr, GB: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+    ONE_G: tl.constexpr, NT: tl.constexpr, FEW: tl.constexpr, E: tl.constexpr, CACHE: tl.constexpr,
+):
+    """_rowsel_kernel's selection of one row: keys at p_row (loaded with
+    cache modifier CACHE), group maxima row g_row of gmax_ptr, scratch p_gl
+    (NKP_P2 slots) and p_ck / p_cp (CAP slots); stores the kept pages at
+    p_out[0:n] and returns n (a helper, so that another kernel can select
+    a row too: benchmarks/overlap_proto.py)."""
+    # -- lb and the list of groups that can hold a kept page
+    o_p, b_gm, lb = _group_lb(gmax_ptr, g_row, NKP, k_row, NKP_P2, NT, E)
+    m_g = (b_gm >= lb) & (b_gm > INT32_MIN)
+    i_g = tl.cumsum(m_g.to(tl.int32), axis=0) - 1
+    tl.store(p_gl + i_g, o_p, mask=m_g)
+    n_grp = tl.sum(m_g.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the group list is read back by other threads
+    # -- candidates: keys >= lo of the listed groups
+    BLK: tl.constexpr = GB * GS
+    o_j = tl.arange(0, GB)
+    o_s = tl.arange(0, GS)
+    lo = lb
+    n_c = tl.zeros([], tl.int32)
+    n_end = n_grp
+    done = tl.zeros([], tl.int32)
+    n_out = tl.zeros([], tl.int32)
+    if n_grp <= ONE_G:
+        # the usual case: every listed group in one tile and at most SMALL
+        # keys >= lb in them (one round trip for the ids and keys, no loop)
+        o_q = tl.arange(0, ONE_G)
+        m_q = o_q < n_grp
+        g_q = tl.load(p_gl + o_q, mask=m_q, other=0)
+        b_q = tl.load(p_row + g_q[:, None] * GS + o_s[None, :], mask=m_q[:, None], other=INT32_MIN,
+                      cache_modifier=CACHE)
+        m_qi = tl.reshape((b_q >= lb) & (b_q > INT32_MIN), [ONE_G * GS])
+        c_q = tl.sum(m_qi.to(tl.int32), axis=0)
+        f_q = tl.reshape(b_q, [ONE_G * GS])
+        f_pg = tl.reshape(g_q[:, None] * GS + o_s[None, :], [ONE_G * GS])
+        if (FEW >= 0) & (c_q - k_row <= FEW):
+            # few keys past the budget: the cut from below, over the tile as loaded
+            T = cut_from_below(f_q, m_qi, lb, k_row)
+            m_sel, i_out, n_out = _keep_top(f_q, m_qi, T, k_row)
+            tl.store(p_out + i_out, f_pg, mask=m_sel)
+            done = tl.full([], 1, tl.int32)
+            n_end = 0
+        elif c_q <= SMALL:
+            _append(p_ck, p_cp, n_c, f_q, f_pg, m_qi)
+            n_c = c_q
+            n_end = 0
+    m_j = o_j < n_end
+    g_id = tl.load(p_gl + o_j, mask=m_j, other=0)
+    b_nx = tl.load(p_row + g_id[:, None] * GS + o_s[None, :], mask=m_j[:, None], other=INT32_MIN,
+                   cache_modifier=CACHE)
+    for j in range(0, n_end, GB):
+        b_key = b_nx
+        b_page = tl.reshape(g_id[:, None] * GS + o_s[None, :], [BLK])
+        # the next step's group ids and keys, in flight while this step runs
+        m_j = (j + GB + o_j) < n_end
+        g_id = tl.load(p_gl + j + GB + o_j, mask=m_j, other=0)
+        b_nx = tl.load(p_row + g_id[:, None] * GS + o_s[None, :], mask=m_j[:, None], other=INT32_MIN,
+                       cache_modifier=CACHE)
+        b_key = tl.reshape(b_key, [BLK])
+        m_in = (b_key >= lo) & (b_key > INT32_MIN)
+        c = tl.sum(m_in.to(tl.int32), axis=0)
+        if n_c + c > CAP:
+            # cut the buffer (n_c > CAP - BLK >= k_row keys) to its k_row best
+            tl.debug_barrier()
+            f_key, f_page, m_sel, i_out, n_c, T = _buffer_best(p_ck, p_cp, n_c, lb, k_row, CAP, 1)
+            tl.debug_barrier()  # every slot is read before any is rewritten
+            tl.store(p_ck + i_out, f_key, mask=m_sel)
+            tl.store(p_cp + i_out, f_page, mask=m_sel)
+            lo = tl.where(T < 2147483647, T + 1, T)
+            m_in = (b_key >= lo) & (b_key > INT32_MIN)
+            c = tl.sum(m_in.to(tl.int32), axis=0)
+        if c > 0:
+            _append(p_ck, p_cp, n_c, b_key, b_page, m_in)
+            n_c += c
+    # -- the row's k_row best candidates (at least k_row are held)
+    if done == 0:
+        tl.debug_barrier()
+        if n_c <= SMALL:  # a short tile, NT thresholds per round
+            n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, p_out, SMALL, NT)
+        else:
+            n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, p_out, CAP, 1)
+    return n_out
+
+
+@triton.jit
 def _rowsel_kernel(
     ids_ptr, lens_ptr, key_ptr, gmax_ptr, glist_ptr, ck_ptr, cp_ptr, pages_ptr, counts_ptr,
     MK, NKP, W, sinks, window, k_pages,
@@ -697,81 +802,9 @@ def _rowsel_kernel(
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
-    # -- lb and the list of groups that can hold a kept page
-    o_p, b_gm, lb = _group_lb(gmax_ptr, i_r, NKP, k_row, NKP_P2, NT, E)
-    m_g = (b_gm >= lb) & (b_gm > INT32_MIN)
-    i_g = tl.cumsum(m_g.to(tl.int32), axis=0) - 1
-    p_gl = glist_ptr + i_r * NKP_P2
-    tl.store(p_gl + i_g, o_p, mask=m_g)
-    n_grp = tl.sum(m_g.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the group list is read back by other threads
-    # -- candidates: keys >= lo of the listed groups
-    BLK: tl.constexpr = GB * GS
-    o_j = tl.arange(0, GB)
-    o_s = tl.arange(0, GS)
-    p_row = key_ptr + i_r * MK
-    p_ck = ck_ptr + i_r * CAP
-    p_cp = cp_ptr + i_r * CAP
-    lo = lb
-    n_c = tl.zeros([], tl.int32)
-    n_end = n_grp
-    done = tl.zeros([], tl.int32)
-    n_out = tl.zeros([], tl.int32)
-    if n_grp <= ONE_G:
-        # the usual case: every listed group in one tile and at most SMALL
-        # keys >= lb in them (one round trip for the ids and keys, no loop)
-        o_q = tl.arange(0, ONE_G)
-        m_q = o_q < n_grp
-        g_q = tl.load(p_gl + o_q, mask=m_q, other=0)
-        b_q = tl.load(p_row + g_q[:, None] * GS + o_s[None, :], mask=m_q[:, None], other=INT32_MIN)
-        m_qi = tl.reshape((b_q >= lb) & (b_q > INT32_MIN), [ONE_G * GS])
-        c_q = tl.sum(m_qi.to(tl.int32), axis=0)
-        f_q = tl.reshape(b_q, [ONE_G * GS])
-        f_pg = tl.reshape(g_q[:, None] * GS + o_s[None, :], [ONE_G * GS])
-        if (FEW >= 0) & (c_q - k_row <= FEW):
-            # few keys past the budget: the cut from below, over the tile as loaded
-            T = cut_from_below(f_q, m_qi, lb, k_row)
-            m_sel, i_out, n_out = _keep_top(f_q, m_qi, T, k_row)
-            tl.store(pages_ptr + i_r * W + i_out, f_pg, mask=m_sel)
-            done = tl.full([], 1, tl.int32)
-            n_end = 0
-        elif c_q <= SMALL:
-            _append(p_ck, p_cp, n_c, f_q, f_pg, m_qi)
-            n_c = c_q
-            n_end = 0
-    m_j = o_j < n_end
-    g_id = tl.load(p_gl + o_j, mask=m_j, other=0)
-    b_nx = tl.load(p_row + g_id[:, None] * GS + o_s[None, :], mask=m_j[:, None], other=INT32_MIN)
-    for j in range(0, n_end, GB):
-        b_key = b_nx
-        b_page = tl.reshape(g_id[:, None] * GS + o_s[None, :], [BLK])
-        # the next step's group ids and keys, in flight while this step runs
-        m_j = (j + GB + o_j) < n_end
-        g_id = tl.load(p_gl + j + GB + o_j, mask=m_j, other=0)
-        b_nx = tl.load(p_row + g_id[:, None] * GS + o_s[None, :], mask=m_j[:, None], other=INT32_MIN)
-        b_key = tl.reshape(b_key, [BLK])
-        m_in = (b_key >= lo) & (b_key > INT32_MIN)
-        c = tl.sum(m_in.to(tl.int32), axis=0)
-        if n_c + c > CAP:
-            # cut the buffer (n_c > CAP - BLK >= k_row keys) to its k_row best
-            tl.debug_barrier()
-            f_key, f_page, m_sel, i_out, n_c, T = _buffer_best(p_ck, p_cp, n_c, lb, k_row, CAP, 1)
-            tl.debug_barrier()  # every slot is read before any is rewritten
-            tl.store(p_ck + i_out, f_key, mask=m_sel)
-            tl.store(p_cp + i_out, f_page, mask=m_sel)
-            lo = tl.where(T < 2147483647, T + 1, T)
-            m_in = (b_key >= lo) & (b_key > INT32_MIN)
-            c = tl.sum(m_in.to(tl.int32), axis=0)
-        if c > 0:
-            _append(p_ck, p_cp, n_c, b_key, b_page, m_in)
-            n_c += c
-    # -- the row's k_row best candidates (at least k_row are held)
-    if done == 0:
-        tl.debug_barrier()
-        if n_c <= SMALL:  # a short tile, NT thresholds per round
-            n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, SMALL, NT)
-        else:
-            n_out = _emit_best(p_ck, p_cp, n_c, lb, k_row, pages_ptr + i_r * W, CAP, 1)
+    n_out = _select_row(key_ptr + i_r * MK, gmax_ptr, i_r, glist_ptr + i_r * NKP_P2, ck_ptr + i_r * CAP,
+                        cp_ptr + i_r * CAP, pages_ptr + i_r * W, NKP, k_row,
+                        GS, NKP_P2, GB, CAP, SMALL, ONE_G, NT, FEW, E, "")
     tl.store(counts_ptr + i_r, n_out)
 
 
