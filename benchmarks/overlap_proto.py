@@ -15,23 +15,28 @@ This one has two launches (one query head per KV head, softmax only):
   grid of KP programs per SM looping over (batch row, chunk) items in batch
   order; after each item a barrier and a release atomic raise the batch
   row's counter. It is a PDL launch and lets its dependent launch at once.
-* ``_pfin_kernel``: NSPLIT programs per (batch row, KV head), a PDL launch
-  that does not wait for the keys pass: each polls its batch row's counter
-  (volatile loads, an optional nanosleep back-off, then one acquire) until
-  every chunk is in, takes the row's group maxima, selects the row's pages
-  exactly as _rowsel_kernel does (``topk._select_row``, into its own
-  scratch), attends (softmax) over its share of them, and the row's last
-  program to finish (a ticket atomic) combines the shares into the output.
+* ``_pchain_kernel`` (ONE = False): NSPLIT programs per (batch row, KV
+  head), a PDL launch that does not wait for the keys pass: each polls
+  its batch row's counter (volatile loads, an optional nanosleep back-off,
+  then one acquire) until every chunk is in, takes the row's group maxima,
+  selects the row's pages exactly as _rowsel_kernel does
+  (``topk._select_row``, into its own scratch), attends (softmax) over its
+  share of them, and the row's last program to finish (a ticket atomic)
+  combines the shares into the output.
+
+A last form puts both roles in one persistent launch (``_pchain_kernel``
+with ONE = True, variants "one..."): every program takes keys items and
+row chains from one work queue in batch order.
 
 Pages (per row, sorted) and outputs are checked against select_topk +
 attend; the graphs are timed next to the committed step (L2 flushed,
 median). ``--timeline`` prints %globaltimer stamps of a replayed graph per
 batch row instead. Measured: benchmarks/results/overlap.log.
 
-Variant names: kp<keys programs per SM>w<warps of _pfin_kernel>[cw<pages per
-attention step>][s<programs per row>][r<maxnreg>][p<poll back-off ns>][nospin:
-no PDL, the consumer after the keys pass]; a: poll by acquire atomics; k: the keys pass not a
-PDL launch itself (it only triggers), as in the first calls.
+Variant names: [one]kp<keys programs per SM>w<warps of _pchain_kernel>
+[cw<pages per attention step>][s<programs per row>][r<maxnreg>][p<poll
+back-off ns>][a: poll by acquire atomics][k: the keys pass not itself a PDL
+launch, it only triggers][nospin: no PDL, the consumer after the keys pass].
 """
 from __future__ import annotations
 
@@ -114,7 +119,8 @@ def _pkeys_kernel(
 
 
 @triton.jit
-def _pfin_kernel(
+def _pchain_kernel(
+    kmin_ptr, qctr_ptr, tk_ptr, half_off, stride_mp, stride_mh, B,
     ids_ptr, lens_ptr, key_ptr, cnt_ptr, flag_ptr, gmax_ptr, glist_ptr, ck_ptr, cp_ptr, pages_ptr, counts_ptr,
     q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, sel_ptr, pm_ptr, pl_ptr, pacc_ptr, tick_ptr,
     MK, NKP, W, M, sinks, window, k_pages, NCH, scale,
@@ -124,136 +130,186 @@ def _pfin_kernel(
     FEW: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CW: tl.constexpr, SPIN: tl.constexpr,
     NSPLIT: tl.constexpr, SHARE: tl.constexpr, tf_ptr, TIMING: tl.constexpr, POLL_NS: tl.constexpr,
     POLL_ATOMIC: tl.constexpr,
+    H: tl.constexpr, HG: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr, AS_IS: tl.constexpr,
+    ONE: tl.constexpr,
 ):
-    # NSPLIT programs per row: each selects the whole row (the same pages, in
-    # its own scratch), attends its SHARE of them, and the row's last
-    # program to finish combines the partials
-    i_x = tl.program_id(0).to(tl.int64)
-    i_r = i_x // NSPLIT
-    i_sp = i_x % NSPLIT
-    i_b = i_r // S
-    h = i_r % S
-    if TIMING:  # stamps: 0 start, 1 released, 2 maxima, 3 selected, 4 attended, 5 done
-        tl.store(tf_ptr + i_x * 6, _now(TIMING))
-    if SPIN:
-        # poll with plain volatile loads and a back-off (hundreds of programs
-        # polling by atomics would load L2 while the keys pass reads), then
-        # one acquire for the ordering
-        if POLL_ATOMIC:  # (or by acquire atomics, as the first form did)
-            c = tl.atomic_add(cnt_ptr + i_b, 0, sem="acquire", scope="gpu")
-        else:
-            c = tl.load(cnt_ptr + i_b, volatile=True)
-        k = 0
-        while (c < NCH) & (k < 200000):
-            if POLL_NS > 0:
-                tl.inline_asm_elementwise("{ nanosleep.u32 $1; mov.u32 $0, 0; }", "=r,r",
-                                          [tl.full([], POLL_NS, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-            if POLL_ATOMIC:
+    """ONE = False: the consumer launch, row-chain program = program id.
+    ONE = True: both roles in one persistent launch: each program takes
+    items from one work queue (an atomic counter) in the order keys(0),
+    keys(1), chains(0), keys(2), chains(1), ..., chains(B-1), where keys(b)
+    are batch row b's NCH keys items and chains(b) its S * NSPLIT row-chain
+    items. A chain waits only on keys items handed out before it, to
+    programs that never wait, so no program waits on one that has not
+    started (any grid size; the interpreter runs programs one at a time)."""
+    C: tl.constexpr = S * NSPLIT
+    if ONE:
+        total = B * (NCH + C)
+        if TIMING:
+            tl.store(tk_ptr + tl.program_id(0) * 2, _now(TIMING))
+        t = tl.atomic_add(qctr_ptr, 1, sem="relaxed")
+    else:
+        total = B * C
+        t = tl.program_id(0)
+    while t < total:
+        if ONE:
+            u = t - NCH
+            j = tl.where(t < NCH, 0, 1 + u // (NCH + C))
+            r = tl.where(t < NCH, t, u % (NCH + C))
+            is_keys = (j < B) & (r < NCH)
+            if is_keys:  # keys item: batch row j, chunk r
+                _keys_chunk(q_ptr, q_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, key_ptr, j, r,
+                            scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, MK, sinks, window,
+                            k_pages, H, HG, P, D, BLOCK_D, BLOCK_M, NSUB, False, False, AS_IS)
+                tl.debug_barrier()
+                tl.atomic_add(cnt_ptr + j, 1, sem="release", scope="gpu")
+            do_chain = is_keys == 0
+            # else a chain of batch row j - 1 (the last block holds only chains)
+            x = (j - 1) * C + tl.where(j >= B, u - (B - 1) * (NCH + C), r - NCH)
+        else:  # (no keys code in the consumer launch: a constexpr branch)
+            do_chain = True
+            x = t
+        if do_chain:
+            # a row chain, program i_x of NSPLIT per row: each selects the whole row
+            # (the same pages, in its own scratch) and attends its SHARE of them;
+            # the row's last program to finish combines the partials
+            i_x = x.to(tl.int64)
+            i_r = i_x // NSPLIT
+            i_sp = i_x % NSPLIT
+            i_b = i_r // S
+            h = i_r % S
+            if TIMING:  # stamps: 0 start, 1 released, 2 maxima, 3 selected, 4 attended, 5 done
+                tl.store(tf_ptr + i_x * 6, _now(TIMING))
+            if SPIN:
+                # poll with plain volatile loads and a back-off (hundreds of programs
+                # polling by atomics would load L2 while the keys pass reads), then
+                # one acquire for the ordering
+                if POLL_ATOMIC:  # (or by acquire atomics, as the first form did)
+                    c = tl.atomic_add(cnt_ptr + i_b, 0, sem="acquire", scope="gpu")
+                else:
+                    c = tl.load(cnt_ptr + i_b, volatile=True)
+                k = 0
+                while (c < NCH) & (k < 200000):
+                    if POLL_NS > 0:
+                        tl.inline_asm_elementwise("{ nanosleep.u32 $1; mov.u32 $0, 0; }", "=r,r",
+                                                  [tl.full([], POLL_NS, tl.int32)], dtype=tl.int32,
+                                                  is_pure=False, pack=1)
+                    if POLL_ATOMIC:
+                        c = tl.atomic_add(cnt_ptr + i_b, 0, sem="acquire", scope="gpu")
+                    else:
+                        c = tl.load(cnt_ptr + i_b, volatile=True)
+                    k += 1
                 c = tl.atomic_add(cnt_ptr + i_b, 0, sem="acquire", scope="gpu")
+                if c < NCH:
+                    tl.atomic_add(flag_ptr, 1, sem="relaxed")
+            tl.debug_barrier()
+            if TIMING:
+                tl.store(tf_ptr + i_x * 6 + 1, _now(TIMING))
+            seq = tl.load(ids_ptr + i_b).to(tl.int64)
+            n = tl.load(lens_ptr + seq)
+            npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
+            p_row = key_ptr + i_r * MK
+            # -- group maxima of the row (keys read past L1: other SMs wrote them)
+            o_t = tl.arange(0, GT)
+            o_s = tl.arange(0, GS)
+            for g0 in range(0, NKP, GT):  # (t is the work queue's item)
+                m_t = (g0 + o_t) < NKP
+                b = tl.load(p_row + (g0 + o_t)[:, None] * GS + o_s[None, :], mask=m_t[:, None], other=INT32_MIN,
+                            cache_modifier=".cg")
+                tl.store(gmax_ptr + i_x * NKP + g0 + o_t, tl.max(b, axis=1), mask=m_t)
+            tl.debug_barrier()
+            if TIMING:
+                tl.store(tf_ptr + i_x * 6 + 2, _now(TIMING))
+            # -- _rowsel_kernel's selection (E = 0), into this program's scratch
+            if NSPLIT == 1:  # one program per row: select straight into the Selection's row
+                p_mine = pages_ptr + i_r * W
             else:
-                c = tl.load(cnt_ptr + i_b, volatile=True)
-            k += 1
-        c = tl.atomic_add(cnt_ptr + i_b, 0, sem="acquire", scope="gpu")
-        if c < NCH:
-            tl.atomic_add(flag_ptr, 1, sem="relaxed")
-    tl.debug_barrier()
-    if TIMING:
-        tl.store(tf_ptr + i_x * 6 + 1, _now(TIMING))
-    seq = tl.load(ids_ptr + i_b).to(tl.int64)
-    n = tl.load(lens_ptr + seq)
-    npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
-    p_row = key_ptr + i_r * MK
-    # -- group maxima of the row (keys read past L1: other SMs wrote them)
-    o_t = tl.arange(0, GT)
-    o_s = tl.arange(0, GS)
-    for t in range(0, NKP, GT):
-        m_t = (t + o_t) < NKP
-        b = tl.load(p_row + (t + o_t)[:, None] * GS + o_s[None, :], mask=m_t[:, None], other=INT32_MIN,
-                    cache_modifier=".cg")
-        tl.store(gmax_ptr + i_x * NKP + t + o_t, tl.max(b, axis=1), mask=m_t)
-    tl.debug_barrier()
-    if TIMING:
-        tl.store(tf_ptr + i_x * 6 + 2, _now(TIMING))
-    # -- _rowsel_kernel's selection (E = 0), into this program's scratch
-    if NSPLIT == 1:  # one program per row: select straight into the Selection's row
-        p_mine = pages_ptr + i_r * W
-    else:
-        p_mine = sel_ptr + i_x * W
-    n_out = _select_row(p_row, gmax_ptr, i_x, glist_ptr + i_x * NKP_P2, ck_ptr + i_x * CAP, cp_ptr + i_x * CAP,
-                        p_mine, NKP, k_row, GS, NKP_P2, GB, CAP, SMALL, ONE_G, NT, FEW, 0, ".cg")
-    tl.debug_barrier()  # the row's pages are read back by every thread
-    if TIMING:
-        tl.store(tf_ptr + i_x * 6 + 3, _now(TIMING))
-    if NSPLIT > 1:
-        if i_sp == 0:
-            o_all = tl.arange(0, NKP_P2)  # (W <= NKP)
-            tl.store(pages_ptr + i_r * W + o_all, tl.load(sel_ptr + i_x * W + o_all, mask=o_all < n_out),
-                     mask=o_all < n_out)
-    if i_sp == 0:
-        tl.store(counts_ptr + i_r, n_out)
-    # -- softmax over this program's SHARE of the pages, CW per step, the next step's K/V in flight
-    p_sel = p_mine + i_sp * SHARE
-    n_my = tl.minimum(tl.maximum(n_out - i_sp * SHARE, 0), SHARE)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    b_qv = tl.load(q_ptr + i_b * stride_qb + h * stride_qh + o_d, mask=m_d, other=0.0).to(tl.float32) * scale
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    b_k, b_v, m_t = _kv_tile(p_sel, n_my, bt_ptr, seq, n, M, k_ptr, v_ptr, h, skp, skh, skr, svp, svh, svr,
-                             P, D, BLOCK_D, CW)
-    for w0 in range(0, n_my if SHARE > CW else 0, CW):
-        c_k = b_k
-        c_v = b_v
-        c_t = m_t
-        b_k, b_v, m_t = _kv_tile(p_sel + w0 + CW, n_my - w0 - CW, bt_ptr, seq, n, M, k_ptr, v_ptr, h,
-                                 skp, skh, skr, svp, svh, svr, P, D, BLOCK_D, CW)
-        s = tl.sum(c_k.to(tl.float32) * b_qv[None, None, :], axis=2)
-        s = tl.where(c_t, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(tl.max(s, axis=1), axis=0))
-        corr = tl.exp(m_i - m_new)
-        p = tl.where(c_t, tl.exp(s - m_new), 0.0)
-        l_i = l_i * corr + tl.sum(tl.sum(p, axis=1), axis=0)
-        acc = acc * corr + tl.sum(tl.sum(p[:, :, None] * c_v.to(tl.float32), axis=1), axis=0)
-        m_i = m_new
-    if SHARE <= CW:  # the whole share in the tile loaded above
-        s = tl.sum(b_k.to(tl.float32) * b_qv[None, None, :], axis=2)
-        s = tl.where(m_t, s, float("-inf"))
-        m_i = tl.max(tl.max(s, axis=1), axis=0)
-        p = tl.where(m_t, tl.exp(s - m_i), 0.0)
-        l_i = tl.sum(tl.sum(p, axis=1), axis=0)
-        acc = tl.sum(tl.sum(p[:, :, None] * b_v.to(tl.float32), axis=1), axis=0)
-    if TIMING:
-        tl.store(tf_ptr + i_x * 6 + 4, _now(TIMING))
-    if NSPLIT == 1:
-        o = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        tl.store(out_ptr + i_b * stride_ob + h * stride_oh + o_d, o.to(out_ptr.dtype.element_ty), mask=m_d)
-    else:
-        tl.store(pm_ptr + i_x, m_i)
-        tl.store(pl_ptr + i_x, l_i)
-        tl.store(pacc_ptr + i_x * BLOCK_D + o_d, acc)
-        tl.debug_barrier()  # every thread's partial stored before the ticket publishes it
-        ticket = tl.atomic_add(tick_ptr + i_r, 1, sem="acq_rel", scope="gpu")
-        if ticket == NSPLIT - 1:  # the row's last program: combine (partials read past L1)
-            o_sp = tl.arange(0, NSPLIT)
-            b_m = tl.load(pm_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
-            b_l = tl.load(pl_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
-            b_a = tl.load(pacc_ptr + (i_r * NSPLIT + o_sp)[:, None] * BLOCK_D + o_d[None, :], cache_modifier=".cg")
-            m_all = tl.max(b_m, axis=0)
-            f = tl.where(b_m > float("-inf"), tl.exp(b_m - m_all), 0.0)
-            l_all = tl.sum(b_l * f, axis=0)
-            o = tl.sum(b_a * f[:, None], axis=0)
-            o = tl.where(l_all > 0, o / tl.where(l_all > 0, l_all, 1.0), 0.0)
-            tl.store(out_ptr + i_b * stride_ob + h * stride_oh + o_d, o.to(out_ptr.dtype.element_ty), mask=m_d)
-    if TIMING:
-        tl.store(tf_ptr + i_x * 6 + 5, _now(TIMING))
+                p_mine = sel_ptr + i_x * W
+            n_out = _select_row(p_row, gmax_ptr, i_x, glist_ptr + i_x * NKP_P2, ck_ptr + i_x * CAP, cp_ptr + i_x * CAP,
+                                p_mine, NKP, k_row, GS, NKP_P2, GB, CAP, SMALL, ONE_G, NT, FEW, 0, ".cg")
+            tl.debug_barrier()  # the row's pages are read back by every thread
+            if TIMING:
+                tl.store(tf_ptr + i_x * 6 + 3, _now(TIMING))
+            if NSPLIT > 1:
+                if i_sp == 0:
+                    o_all = tl.arange(0, NKP_P2)  # (W <= NKP)
+                    tl.store(pages_ptr + i_r * W + o_all, tl.load(sel_ptr + i_x * W + o_all, mask=o_all < n_out),
+                             mask=o_all < n_out)
+            if i_sp == 0:
+                tl.store(counts_ptr + i_r, n_out)
+            # -- softmax over this program's SHARE of the pages, CW per step, the next step's K/V in flight
+            p_sel = p_mine + i_sp * SHARE
+            n_my = tl.minimum(tl.maximum(n_out - i_sp * SHARE, 0), SHARE)
+            o_d = tl.arange(0, BLOCK_D)
+            m_d = o_d < D
+            b_qv = tl.load(q_ptr + i_b * stride_qb + h * stride_qh + o_d, mask=m_d, other=0.0).to(tl.float32) * scale
+            m_i = tl.full([], float("-inf"), tl.float32)
+            l_i = tl.zeros([], tl.float32)
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            b_k, b_v, m_t = _kv_tile(p_sel, n_my, bt_ptr, seq, n, M, k_ptr, v_ptr, h, skp, skh, skr, svp, svh, svr,
+                                     P, D, BLOCK_D, CW)
+            for w0 in range(0, n_my if SHARE > CW else 0, CW):
+                c_k = b_k
+                c_v = b_v
+                c_t = m_t
+                b_k, b_v, m_t = _kv_tile(p_sel + w0 + CW, n_my - w0 - CW, bt_ptr, seq, n, M, k_ptr, v_ptr, h,
+                                         skp, skh, skr, svp, svh, svr, P, D, BLOCK_D, CW)
+                s = tl.sum(c_k.to(tl.float32) * b_qv[None, None, :], axis=2)
+                s = tl.where(c_t, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(tl.max(s, axis=1), axis=0))
+                corr = tl.exp(m_i - m_new)
+                p = tl.where(c_t, tl.exp(s - m_new), 0.0)
+                l_i = l_i * corr + tl.sum(tl.sum(p, axis=1), axis=0)
+                acc = acc * corr + tl.sum(tl.sum(p[:, :, None] * c_v.to(tl.float32), axis=1), axis=0)
+                m_i = m_new
+            if SHARE <= CW:  # the whole share in the tile loaded above
+                s = tl.sum(b_k.to(tl.float32) * b_qv[None, None, :], axis=2)
+                s = tl.where(m_t, s, float("-inf"))
+                m_i = tl.max(tl.max(s, axis=1), axis=0)
+                p = tl.where(m_t, tl.exp(s - m_i), 0.0)
+                l_i = tl.sum(tl.sum(p, axis=1), axis=0)
+                acc = tl.sum(tl.sum(p[:, :, None] * b_v.to(tl.float32), axis=1), axis=0)
+            if TIMING:
+                tl.store(tf_ptr + i_x * 6 + 4, _now(TIMING))
+            if NSPLIT == 1:
+                o = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
+                tl.store(out_ptr + i_b * stride_ob + h * stride_oh + o_d, o.to(out_ptr.dtype.element_ty), mask=m_d)
+            else:
+                tl.store(pm_ptr + i_x, m_i)
+                tl.store(pl_ptr + i_x, l_i)
+                tl.store(pacc_ptr + i_x * BLOCK_D + o_d, acc)
+                tl.debug_barrier()  # every thread's partial stored before the ticket publishes it
+                ticket = tl.atomic_add(tick_ptr + i_r, 1, sem="acq_rel", scope="gpu")
+                if ticket == NSPLIT - 1:  # the row's last program: combine (partials read past L1)
+                    o_sp = tl.arange(0, NSPLIT)
+                    b_m = tl.load(pm_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
+                    b_l = tl.load(pl_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
+                    b_a = tl.load(pacc_ptr + (i_r * NSPLIT + o_sp)[:, None] * BLOCK_D + o_d[None, :],
+                                  cache_modifier=".cg")
+                    m_all = tl.max(b_m, axis=0)
+                    f = tl.where(b_m > float("-inf"), tl.exp(b_m - m_all), 0.0)
+                    l_all = tl.sum(b_l * f, axis=0)
+                    o = tl.sum(b_a * f[:, None], axis=0)
+                    o = tl.where(l_all > 0, o / tl.where(l_all > 0, l_all, 1.0), 0.0)
+                    tl.store(out_ptr + i_b * stride_ob + h * stride_oh + o_d, o.to(out_ptr.dtype.element_ty), mask=m_d)
+            if TIMING:
+                tl.store(tf_ptr + i_x * 6 + 5, _now(TIMING))
+        if ONE:
+            t = tl.atomic_add(qctr_ptr, 1, sem="relaxed")
+        else:
+            t = total
+    if ONE:
+        if TIMING:
+            tl.store(tk_ptr + tl.program_id(0) * 2 + 1, _now(TIMING))
 
 
 def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16, NSPLIT=1, maxnreg=None,
-               timing=False, poll=0, poll_atomic=False, keys_pdl=True, sinks=0, window=0):
+               timing=False, poll=0, poll_atomic=False, keys_pdl=True, one=False, sinks=0, window=0):
     """One overlapped Quest top-k step (one query head per KV head; q [B, H, D]).
+    ``one``: both roles in one persistent launch (_pchain_kernel with ONE,
+    KP programs per SM of ``warps`` warps) instead of the keys pass + the
+    consumer launch.
     Returns (out [B, H, D] in q's dtype, pages int32 [B, H, W], counts int32
-    [B, H], flag int32 [1]: consumer programs whose poll gave up)."""
+    [B, H], flag int32 [1]: chain programs whose poll gave up)."""
     q = prep_query(q)
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
@@ -271,21 +327,23 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     cnt = torch.zeros(B, dtype=torch.int32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     smp, smh = meta_strides(cache)
+    half = half_offset(cache.k_min, cache.k_max)
     n_items = B * NCH
     on_gpu = dev.type == "cuda"
     nprog = min(n_items, KP * sms)
     tk = torch.zeros(nprog * 2, dtype=torch.int64, device=dev)
     tf = torch.zeros(B * S * NSPLIT * 6, dtype=torch.int64, device=dev)
     STAMPS["keys"], STAMPS["fin"] = tk, tf
-    pdl = on_gpu and spin is not False and gdc_launch_dependents is not None
-    LAUNCHED["keys"] = _pkeys_kernel[(nprog,)](
-        q, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, cnt,
-        float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
-        M, MK, sinks, window, k_pages, n_items, NCH,
-        H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D), BLOCK_M=kp["BLOCK_M"], NSUB=KCH // kp["BLOCK_M"],
-        AS_IS=topk.KEYS_AS_IS, TRIGGER=pdl, WAIT=pdl and keys_pdl, tk_ptr=tk, TIMING=timing, num_warps=kp["WARPS"],
-        **(dict(launch_pdl=True) if pdl and keys_pdl else {}),
-    )
+    pdl = on_gpu and spin is not False and gdc_launch_dependents is not None and not one
+    if not one:
+        LAUNCHED["keys"] = _pkeys_kernel[(nprog,)](
+            q, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, cnt,
+            float(scale), q.stride(0), q.stride(1), smp, smh, half,
+            M, MK, sinks, window, k_pages, n_items, NCH,
+            H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D), BLOCK_M=kp["BLOCK_M"], NSUB=KCH // kp["BLOCK_M"],
+            AS_IS=topk.KEYS_AS_IS, TRIGGER=pdl, WAIT=pdl and keys_pdl, tk_ptr=tk, TIMING=timing,
+            num_warps=kp["WARPS"], **(dict(launch_pdl=True) if pdl and keys_pdl else {}),
+        )
     # the selection's shapes, as launch_rowsel sizes them
     groups = min(max(topk.GMAX_GROUPS, topk.ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // topk.ROWSEL_GS),
                  max(topk.GMAX_GROUPS, MK // topk.ROWSEL_MIN_GS))
@@ -295,7 +353,7 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     cap = next_pow2(blk + next_pow2(W))
     nkp_p2 = next_pow2(NKP)
     one_g = max(1, min(next_pow2(W), topk.ROWSEL_ONE // gs))
-    X = B * S * NSPLIT  # programs, each with its own selection scratch
+    X = B * S * NSPLIT  # chain programs, each with its own selection scratch
     gmax = torch.empty(X * NKP, dtype=torch.int32, device=dev)
     glist = torch.empty(X * nkp_p2, dtype=torch.int32, device=dev)
     ck = torch.empty(X * cap, dtype=torch.int32, device=dev)
@@ -311,18 +369,27 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     kv = cache.k_pages.stride()
     vv = cache.v_pages.stride()
     share = cdiv(cdiv(W, NSPLIT), CW) * CW
-    LAUNCHED["fin"] = _pfin_kernel[(X,)](
+    chain = (
         ids, cache.seq_lens, keys, cnt, flag, gmax, glist, ck, cpg, pages, counts,
         q, cache.k_pages, cache.v_pages, cache.block_table, out, sel, pm, pl, pacc, tick,
         MK, NKP, W, M, sinks, window, k_pages, NCH, float(scale),
         q.stride(0), q.stride(1), kv[0], kv[1], kv[2], vv[0], vv[1], vv[2], out.stride(0), out.stride(1),
+    )
+    consts = dict(
         S=S, P=P, GS=gs, NKP_P2=nkp_p2, GT=max(1, 4096 // gs), GB=blk // gs, CAP=cap,
         SMALL=min(cap, topk.ROWSEL_SMALL), ONE_G=one_g, NT=topk.ROWSEL_NT,
         FEW=topk.ROWSEL_FEW if one_g * gs <= topk.ROWSEL_FEW_TILE else -1,
         D=D, BLOCK_D=next_pow2(D), CW=CW, SPIN=on_gpu if spin is None else spin, NSPLIT=NSPLIT, SHARE=share,
-        tf_ptr=tf, TIMING=timing, POLL_NS=poll, POLL_ATOMIC=poll_atomic,
-        num_warps=warps,
-        **(dict(launch_pdl=True) if pdl else {}), **(dict(maxnreg=maxnreg) if maxnreg else {}),
+        tf_ptr=tf, TIMING=timing, POLL_NS=poll, POLL_ATOMIC=poll_atomic, num_warps=warps,
+        **(dict(maxnreg=maxnreg) if maxnreg else {}),
+    )
+    # keys steps (one launch) of about 8K values: BLOCK_M pages x HG heads x 2 x D
+    bm = max(1, min(kp["BLOCK_M"], 8192 // (kp["HG"] * 2 * next_pow2(D)) * warps // 4))
+    qctr = torch.zeros(1, dtype=torch.int32, device=dev)
+    LAUNCHED["one" if one else "fin"] = _pchain_kernel[(KP * sms if one else X,)](
+        cache.k_min, qctr, tk, half, smp, smh, B, *chain,
+        H=H, HG=kp["HG"], BLOCK_M=bm, NSUB=KCH // bm, AS_IS=topk.KEYS_AS_IS, ONE=one, **consts,
+        **(dict(launch_pdl=True) if pdl else {}),
     )
     return out, pages, counts, flag
 
@@ -343,13 +410,14 @@ def check(q, cache, ids, scale, budget, res):
 
 
 def parse_variant(v):
-    """kp<programs per SM>w<warps>[cw<pages per step>][s<splits>][r<maxnreg>][p<poll ns>][a][k][nospin] -> kwargs."""
+    """[one]kp<programs per SM>w<warps>[cw<pages per step>][s<splits>][r<maxnreg>][p<poll ns>][a][k][nospin]."""
     import re
 
-    m = re.fullmatch(r"kp(\d+)w(\d+)(?:cw(\d+))?(?:s(\d+))?(?:r(\d+))?(?:p(\d+))?(a)?(k)?(nospin)?", v)
-    return dict(KP=int(m.group(1)), warps=int(m.group(2)), CW=int(m.group(3) or 16), NSPLIT=int(m.group(4) or 1),
-                maxnreg=int(m.group(5)) if m.group(5) else None, poll=int(m.group(6) or 0),
-                poll_atomic=bool(m.group(7)), keys_pdl=not m.group(8), spin=False if m.group(9) else None)
+    m = re.fullmatch(r"(one)?kp(\d+)w(\d+)(?:cw(\d+))?(?:s(\d+))?(?:r(\d+))?(?:p(\d+))?(a)?(k)?(nospin)?", v)
+    return dict(one=bool(m.group(1)), KP=int(m.group(2)), warps=int(m.group(3)), CW=int(m.group(4) or 16),
+                NSPLIT=int(m.group(5) or 1), maxnreg=int(m.group(6)) if m.group(6) else None,
+                poll=int(m.group(7) or 0), poll_atomic=bool(m.group(8)), keys_pdl=not m.group(9),
+                spin=False if m.group(10) else None)
 
 
 def timeline(name, variants, q, cache, ids, scale, flush):
