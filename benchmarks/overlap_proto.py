@@ -1,5 +1,6 @@
 """Experiment: a Quest top-k step whose selection and attention may overlap
-the metadata read (a script, not a test; GPU, or CPU under TRITON_INTERPRET=1).
+the metadata read (a script, not a test: it times on the GPU; proto_step
+also runs on the CPU under TRITON_INTERPRET=1).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/overlap_proto.py --configs paper_128k,paper_32k,paper_512k \
         --variants kp2w4cw32,kp2w4cw32s2r128p500,kp2w4cw16s4r128p500,kp2w4cw16s4r128nospin
@@ -41,7 +42,6 @@ launch, it only triggers][nospin: no PDL, the consumer after the keys pass].
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import triton
@@ -55,7 +55,6 @@ from entmaxkv.kernels.scoring import meta_strides, prep_query
 from entmaxkv.kernels.topk import INT32_MIN, _keys_chunk, _select_row, half_offset, keys_plan, row_budget, topk_width
 from entmaxkv.policies import TopK
 
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 LAUNCHED = {}  # the last launches' compiled kernels (register counts)
 STAMPS = {}  # the last launches' %globaltimer stamps (timing=True)
 
@@ -100,6 +99,8 @@ def _pkeys_kernel(
     BLOCK_M: tl.constexpr, NSUB: tl.constexpr, AS_IS: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr,
     tk_ptr, TIMING: tl.constexpr,
 ):
+    """The keys pass as a persistent grid: items (batch row, chunk) in batch
+    order, each published by raising its batch row's counter cnt[b]."""
     if WAIT:  # a PDL launch itself: wait for the kernel before
         gdc_wait()
     if TRIGGER:  # let the consumer launch
