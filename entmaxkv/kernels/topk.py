@@ -391,8 +391,6 @@ def _keys_chunk(
         store_b32(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, (o_m < MK)[:, None] & m_h[None, :], AS_IS)
 
 
-
-
 @triton.jit
 def _keys_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
@@ -783,10 +781,11 @@ def _rowsel_kernel(
 ):
     """A whole row's selection in one program, from its key table and group
     maxima (_gmax_kernel): lb as _lb_kernel finds it (E = 0: the same groups
-    reach it as reach the k_row-th largest maximum); then only the groups whose maximum reaches lb are read, GB
-    groups of GS keys per step (the next step's keys loaded before this
-    step's are used), and their keys >= lb are appended to a CAP-slot
-    candidate buffer (ck/cp, scratch in L2). When a step would overflow it,
+    reach it as reach the k_row-th largest maximum); then only the groups
+    whose maximum reaches lb are read, GB groups of GS keys per step (the
+    next step's keys loaded before this step's are used), and their keys
+    >= lb are appended to a CAP-slot candidate buffer (ck/cp, scratch in
+    L2). When a step would overflow it,
     the buffer is cut to its k_row best (its k_row-th key T, searched) and
     from then on only keys > T are taken: k_row keys >= T are already held,
     so a later key equal to T is only a tie, and ties may be kept in any
