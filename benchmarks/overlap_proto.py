@@ -325,15 +325,19 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     NCH = cdiv(M, KCH)
     MK = NCH * KCH
     keys = torch.empty(B * S * MK, dtype=torch.int32, device=dev)
-    cnt = torch.zeros(B, dtype=torch.int32, device=dev)
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    # every counter the step starts from zero in one buffer (one memset per
+    # step): batch rows' published chunks, polls given up, rows' finished
+    # shares, the one-launch form's work queue
+    counters = torch.zeros(B + 1 + B * S + 1, dtype=torch.int32, device=dev)
+    cnt, flag, tick, qctr = counters[:B], counters[B:B + 1], counters[B + 1:B + 1 + B * S], counters[-1:]
     smp, smh = meta_strides(cache)
     half = half_offset(cache.k_min, cache.k_max)
     n_items = B * NCH
     on_gpu = dev.type == "cuda"
-    nprog = min(n_items, KP * sms)
-    tk = torch.zeros(nprog * 2, dtype=torch.int64, device=dev)
-    tf = torch.zeros(B * S * NSPLIT * 6, dtype=torch.int64, device=dev)
+    nprog = KP * sms if one else min(n_items, KP * sms)  # the persistent grid (keys pass or one launch)
+    # %globaltimer stamps, every one written by its program when timing (read only then)
+    tk = torch.empty(nprog * 2, dtype=torch.int64, device=dev)
+    tf = torch.empty(B * S * NSPLIT * 6, dtype=torch.int64, device=dev)
     STAMPS["keys"], STAMPS["fin"] = tk, tf
     pdl = on_gpu and spin is not False and gdc_launch_dependents is not None and not one
     if not one:
@@ -362,7 +366,6 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     pm = torch.empty(X, dtype=torch.float32, device=dev)
     pl = torch.empty(X, dtype=torch.float32, device=dev)
     pacc = torch.empty(X * next_pow2(D), dtype=torch.float32, device=dev)
-    tick = torch.zeros(B * S, dtype=torch.int32, device=dev)
     cpg = torch.empty_like(ck)
     pages = torch.empty(B, S, W, dtype=torch.int32, device=dev)
     counts = torch.empty(B, S, dtype=torch.int32, device=dev)
@@ -386,8 +389,7 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     )
     # keys steps (one launch) of about 8K values: BLOCK_M pages x HG heads x 2 x D
     bm = max(1, min(kp["BLOCK_M"], 8192 // (kp["HG"] * 2 * next_pow2(D)) * warps // 4))
-    qctr = torch.zeros(1, dtype=torch.int32, device=dev)
-    LAUNCHED["one" if one else "fin"] = _pchain_kernel[(KP * sms if one else X,)](
+    LAUNCHED["one" if one else "fin"] = _pchain_kernel[(nprog if one else X,)](
         cache.k_min, qctr, tk, half, smp, smh, B, *chain,
         H=H, HG=kp["HG"], BLOCK_M=bm, NSUB=KCH // bm, AS_IS=topk.KEYS_AS_IS, ONE=one, **consts,
         **(dict(launch_pdl=True) if pdl else {}),
