@@ -3,9 +3,14 @@ the metadata read (a script, not a test: it times on the GPU; proto_step
 also runs on the CPU under TRITON_INTERPRET=1).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/overlap_proto.py --configs paper_128k,paper_32k,paper_512k \
-        --variants kp2w4cw32,kp2w4cw32s2r128p500,kp2w4cw16s4r128p500,kp2w4cw16s4r128nospin
+        --variants kp999w4cw32,kp2w4cw32,kp999w4o,kp2w4cw32s2r128p500x
+    PYTHONPATH=.:benchmarks python3 benchmarks/overlap_proto.py --alpha 1.5 --configs paper_128k --variants kp999w4o
     PYTHONPATH=.:benchmarks python3 benchmarks/overlap_proto.py --timeline --configs paper_128k \
-        --variants kp2w4cw16s4r128p500,kp2w4cw32s2r128p500
+        --variants kp999w4cw32,kp2w4cw32s2r128p500x
+
+(Fastest measured at 8 x 128k: kp999w4cw32, 0.086 ms against the committed
+step's 0.092; kp999w4o, the form that keeps the committed attention, 0.089
+for Quest and 0.095 against 0.099-0.100 for entmax top-k; all slower at 1 x 2M.)
 
 The committed step runs keys pass -> group maxima -> _rowsel_kernel ->
 split -> combine, each launch after the one before has finished, so the
@@ -36,17 +41,26 @@ batch row instead. Measured: benchmarks/results/overlap.log.
 
 Variant names: [one]kp<keys programs per SM>w<warps of _pchain_kernel>
 [cw<pages per attention step>][s<programs per row>][r<maxnreg>][p<poll
-back-off ns>][a: poll by acquire atomics][k: the keys pass not itself a PDL
-launch, it only triggers][nospin: no PDL, the consumer after the keys pass].
+back-off ns>][q<consumer programs per SM>: a persistent consumer taking
+chains from a work queue][a: poll by acquire atomics][k: the keys pass not
+itself a PDL launch, it only triggers][nospin: no PDL, the consumer after
+the keys pass]
+[x: no PDL, the consumer launched on a side stream (a parallel branch of
+the graph, no dependency on the keys pass) so that the two may run at once]
+[o: the consumer only selects; the committed attention launches follow].
+"kp999": KP so large that the keys grid has one program per item (the
+committed pass's grid, in batch order). ``--alpha 1.5`` times entmax top-k
+("o" variants only) against the committed entmax_topk1024 step.
 """
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext as _nullctx
 
 import torch
 import triton
 import triton.language as tl
-from bench_decode import CONFIGS, build, capture, make_step, time_graph
+from bench_decode import CONFIGS, METHODS, build, capture, make_step, time_graph
 
 from entmaxkv.kernels import attend, topk
 from entmaxkv.kernels import select as kselect
@@ -54,8 +68,10 @@ from entmaxkv.kernels._common import cdiv, gdc_launch_dependents, gdc_wait, next
 from entmaxkv.kernels.scoring import meta_strides, prep_query
 from entmaxkv.kernels.topk import INT32_MIN, _keys_chunk, _select_row, half_offset, keys_plan, row_budget, topk_width
 from entmaxkv.policies import TopK
+from entmaxkv.types import Selection
 
 LAUNCHED = {}  # the last launches' compiled kernels (register counts)
+_SIDE = {}  # device -> the side stream of the "x" variants
 STAMPS = {}  # the last launches' %globaltimer stamps (timing=True)
 
 
@@ -130,7 +146,7 @@ def _pchain_kernel(
     GB: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, ONE_G: tl.constexpr, NT: tl.constexpr,
     FEW: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CW: tl.constexpr, SPIN: tl.constexpr,
     NSPLIT: tl.constexpr, SHARE: tl.constexpr, tf_ptr, TIMING: tl.constexpr, POLL_NS: tl.constexpr,
-    POLL_ATOMIC: tl.constexpr,
+    POLL_ATOMIC: tl.constexpr, QUEUE: tl.constexpr, ATTEND: tl.constexpr,
     H: tl.constexpr, HG: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr, AS_IS: tl.constexpr,
     ONE: tl.constexpr,
 ):
@@ -150,7 +166,10 @@ def _pchain_kernel(
         t = tl.atomic_add(qctr_ptr, 1, sem="relaxed")
     else:
         total = B * C
-        t = tl.program_id(0)
+        if QUEUE:  # a persistent consumer: chains from a work queue, in batch order
+            t = tl.atomic_add(qctr_ptr, 1, sem="relaxed")
+        else:
+            t = tl.program_id(0)
     while t < total:
         if ONE:
             u = t - NCH
@@ -237,64 +256,67 @@ def _pchain_kernel(
                              mask=o_all < n_out)
             if i_sp == 0:
                 tl.store(counts_ptr + i_r, n_out)
-            # -- softmax over this program's SHARE of the pages, CW per step, the next step's K/V in flight
-            p_sel = p_mine + i_sp * SHARE
-            n_my = tl.minimum(tl.maximum(n_out - i_sp * SHARE, 0), SHARE)
-            o_d = tl.arange(0, BLOCK_D)
-            m_d = o_d < D
-            b_qv = tl.load(q_ptr + i_b * stride_qb + h * stride_qh + o_d, mask=m_d, other=0.0).to(tl.float32) * scale
-            m_i = tl.full([], float("-inf"), tl.float32)
-            l_i = tl.zeros([], tl.float32)
-            acc = tl.zeros([BLOCK_D], tl.float32)
-            b_k, b_v, m_t = _kv_tile(p_sel, n_my, bt_ptr, seq, n, M, k_ptr, v_ptr, h, skp, skh, skr, svp, svh, svr,
-                                     P, D, BLOCK_D, CW)
-            for w0 in range(0, n_my if SHARE > CW else 0, CW):
-                c_k = b_k
-                c_v = b_v
-                c_t = m_t
-                b_k, b_v, m_t = _kv_tile(p_sel + w0 + CW, n_my - w0 - CW, bt_ptr, seq, n, M, k_ptr, v_ptr, h,
-                                         skp, skh, skr, svp, svh, svr, P, D, BLOCK_D, CW)
-                s = tl.sum(c_k.to(tl.float32) * b_qv[None, None, :], axis=2)
-                s = tl.where(c_t, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(tl.max(s, axis=1), axis=0))
-                corr = tl.exp(m_i - m_new)
-                p = tl.where(c_t, tl.exp(s - m_new), 0.0)
-                l_i = l_i * corr + tl.sum(tl.sum(p, axis=1), axis=0)
-                acc = acc * corr + tl.sum(tl.sum(p[:, :, None] * c_v.to(tl.float32), axis=1), axis=0)
-                m_i = m_new
-            if SHARE <= CW:  # the whole share in the tile loaded above
-                s = tl.sum(b_k.to(tl.float32) * b_qv[None, None, :], axis=2)
-                s = tl.where(m_t, s, float("-inf"))
-                m_i = tl.max(tl.max(s, axis=1), axis=0)
-                p = tl.where(m_t, tl.exp(s - m_i), 0.0)
-                l_i = tl.sum(tl.sum(p, axis=1), axis=0)
-                acc = tl.sum(tl.sum(p[:, :, None] * b_v.to(tl.float32), axis=1), axis=0)
-            if TIMING:
-                tl.store(tf_ptr + i_x * 6 + 4, _now(TIMING))
-            if NSPLIT == 1:
-                o = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
-                tl.store(out_ptr + i_b * stride_ob + h * stride_oh + o_d, o.to(out_ptr.dtype.element_ty), mask=m_d)
-            else:
-                tl.store(pm_ptr + i_x, m_i)
-                tl.store(pl_ptr + i_x, l_i)
-                tl.store(pacc_ptr + i_x * BLOCK_D + o_d, acc)
-                tl.debug_barrier()  # every thread's partial stored before the ticket publishes it
-                ticket = tl.atomic_add(tick_ptr + i_r, 1, sem="acq_rel", scope="gpu")
-                if ticket == NSPLIT - 1:  # the row's last program: combine (partials read past L1)
-                    o_sp = tl.arange(0, NSPLIT)
-                    b_m = tl.load(pm_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
-                    b_l = tl.load(pl_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
-                    b_a = tl.load(pacc_ptr + (i_r * NSPLIT + o_sp)[:, None] * BLOCK_D + o_d[None, :],
-                                  cache_modifier=".cg")
-                    m_all = tl.max(b_m, axis=0)
-                    f = tl.where(b_m > float("-inf"), tl.exp(b_m - m_all), 0.0)
-                    l_all = tl.sum(b_l * f, axis=0)
-                    o = tl.sum(b_a * f[:, None], axis=0)
-                    o = tl.where(l_all > 0, o / tl.where(l_all > 0, l_all, 1.0), 0.0)
+            if ATTEND:  # (else the committed attention launches follow)
+                # -- softmax over this program's SHARE of the pages, CW per step, the next step's K/V in flight
+                p_sel = p_mine + i_sp * SHARE
+                n_my = tl.minimum(tl.maximum(n_out - i_sp * SHARE, 0), SHARE)
+                o_d = tl.arange(0, BLOCK_D)
+                m_d = o_d < D
+                b_qv = tl.load(q_ptr + i_b * stride_qb + h * stride_qh + o_d, mask=m_d, other=0.0)
+                b_qv = b_qv.to(tl.float32) * scale
+                m_i = tl.full([], float("-inf"), tl.float32)
+                l_i = tl.zeros([], tl.float32)
+                acc = tl.zeros([BLOCK_D], tl.float32)
+                b_k, b_v, m_t = _kv_tile(p_sel, n_my, bt_ptr, seq, n, M, k_ptr, v_ptr, h, skp, skh, skr, svp, svh, svr,
+                                         P, D, BLOCK_D, CW)
+                for w0 in range(0, n_my if SHARE > CW else 0, CW):
+                    c_k = b_k
+                    c_v = b_v
+                    c_t = m_t
+                    b_k, b_v, m_t = _kv_tile(p_sel + w0 + CW, n_my - w0 - CW, bt_ptr, seq, n, M, k_ptr, v_ptr, h,
+                                             skp, skh, skr, svp, svh, svr, P, D, BLOCK_D, CW)
+                    s = tl.sum(c_k.to(tl.float32) * b_qv[None, None, :], axis=2)
+                    s = tl.where(c_t, s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(tl.max(s, axis=1), axis=0))
+                    corr = tl.exp(m_i - m_new)
+                    p = tl.where(c_t, tl.exp(s - m_new), 0.0)
+                    l_i = l_i * corr + tl.sum(tl.sum(p, axis=1), axis=0)
+                    acc = acc * corr + tl.sum(tl.sum(p[:, :, None] * c_v.to(tl.float32), axis=1), axis=0)
+                    m_i = m_new
+                if SHARE <= CW:  # the whole share in the tile loaded above
+                    s = tl.sum(b_k.to(tl.float32) * b_qv[None, None, :], axis=2)
+                    s = tl.where(m_t, s, float("-inf"))
+                    m_i = tl.max(tl.max(s, axis=1), axis=0)
+                    p = tl.where(m_t, tl.exp(s - m_i), 0.0)
+                    l_i = tl.sum(tl.sum(p, axis=1), axis=0)
+                    acc = tl.sum(tl.sum(p[:, :, None] * b_v.to(tl.float32), axis=1), axis=0)
+                if TIMING:
+                    tl.store(tf_ptr + i_x * 6 + 4, _now(TIMING))
+                if NSPLIT == 1:
+                    o = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
                     tl.store(out_ptr + i_b * stride_ob + h * stride_oh + o_d, o.to(out_ptr.dtype.element_ty), mask=m_d)
+                else:
+                    tl.store(pm_ptr + i_x, m_i)
+                    tl.store(pl_ptr + i_x, l_i)
+                    tl.store(pacc_ptr + i_x * BLOCK_D + o_d, acc)
+                    tl.debug_barrier()  # every thread's partial stored before the ticket publishes it
+                    ticket = tl.atomic_add(tick_ptr + i_r, 1, sem="acq_rel", scope="gpu")
+                    if ticket == NSPLIT - 1:  # the row's last program: combine (partials read past L1)
+                        o_sp = tl.arange(0, NSPLIT)
+                        b_m = tl.load(pm_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
+                        b_l = tl.load(pl_ptr + i_r * NSPLIT + o_sp, cache_modifier=".cg")
+                        b_a = tl.load(pacc_ptr + (i_r * NSPLIT + o_sp)[:, None] * BLOCK_D + o_d[None, :],
+                                      cache_modifier=".cg")
+                        m_all = tl.max(b_m, axis=0)
+                        f = tl.where(b_m > float("-inf"), tl.exp(b_m - m_all), 0.0)
+                        l_all = tl.sum(b_l * f, axis=0)
+                        o = tl.sum(b_a * f[:, None], axis=0)
+                        o = tl.where(l_all > 0, o / tl.where(l_all > 0, l_all, 1.0), 0.0)
+                        tl.store(out_ptr + i_b * stride_ob + h * stride_oh + o_d, o.to(out_ptr.dtype.element_ty),
+                                 mask=m_d)
             if TIMING:
                 tl.store(tf_ptr + i_x * 6 + 5, _now(TIMING))
-        if ONE:
+        if ONE or QUEUE:
             t = tl.atomic_add(qctr_ptr, 1, sem="relaxed")
         else:
             t = total
@@ -304,11 +326,18 @@ def _pchain_kernel(
 
 
 def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16, NSPLIT=1, maxnreg=None,
-               timing=False, poll=0, poll_atomic=False, keys_pdl=True, one=False, sinks=0, window=0):
+               timing=False, poll=0, poll_atomic=False, keys_pdl=True, one=False, side=False, cq=0, only_select=False,
+               alpha=1.0, sinks=0, window=0):
     """One overlapped Quest top-k step (one query head per KV head; q [B, H, D]).
     ``one``: both roles in one persistent launch (_pchain_kernel with ONE,
     KP programs per SM of ``warps`` warps) instead of the keys pass + the
-    consumer launch.
+    consumer launch. ``side``: the consumer on a side stream that waits only
+    for the counters' memset, not for the keys pass (no PDL); the caller's
+    stream waits for it before returning. ``cq`` > 0: the consumer as a
+    persistent grid of cq programs per SM taking row chains from a work queue
+    in batch order (else one program per chain). ``only_select``: the
+    consumer stops after the selection and the committed ``attend`` (alpha)
+    runs over it.
     Returns (out [B, H, D] in q's dtype, pages int32 [B, H, W], counts int32
     [B, H], flag int32 [1]: chain programs whose poll gave up)."""
     q = prep_query(q)
@@ -330,6 +359,9 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     # shares, the one-launch form's work queue
     counters = torch.zeros(B + 1 + B * S + 1, dtype=torch.int32, device=dev)
     cnt, flag, tick, qctr = counters[:B], counters[B:B + 1], counters[B + 1:B + 1 + B * S], counters[-1:]
+    if side:  # the side stream's consumer waits for this point (the memset), not for the keys pass
+        fork = torch.cuda.Event()
+        fork.record()
     smp, smh = meta_strides(cache)
     half = half_offset(cache.k_min, cache.k_max)
     n_items = B * NCH
@@ -339,7 +371,7 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
     tk = torch.empty(nprog * 2, dtype=torch.int64, device=dev)
     tf = torch.empty(B * S * NSPLIT * 6, dtype=torch.int64, device=dev)
     STAMPS["keys"], STAMPS["fin"] = tk, tf
-    pdl = on_gpu and spin is not False and gdc_launch_dependents is not None and not one
+    pdl = on_gpu and spin is not False and gdc_launch_dependents is not None and not one and not side
     if not one:
         LAUNCHED["keys"] = _pkeys_kernel[(nprog,)](
             q, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, cnt,
@@ -384,24 +416,38 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
         SMALL=min(cap, topk.ROWSEL_SMALL), ONE_G=one_g, NT=topk.ROWSEL_NT,
         FEW=topk.ROWSEL_FEW if one_g * gs <= topk.ROWSEL_FEW_TILE else -1,
         D=D, BLOCK_D=next_pow2(D), CW=CW, SPIN=on_gpu if spin is None else spin, NSPLIT=NSPLIT, SHARE=share,
-        tf_ptr=tf, TIMING=timing, POLL_NS=poll, POLL_ATOMIC=poll_atomic, num_warps=warps,
+        tf_ptr=tf, TIMING=timing, POLL_NS=poll, POLL_ATOMIC=poll_atomic, QUEUE=bool(cq) and not one,
+        ATTEND=not only_select,
+        num_warps=warps,
         **(dict(maxnreg=maxnreg) if maxnreg else {}),
     )
     # keys steps (one launch) of about 8K values: BLOCK_M pages x HG heads x 2 x D
     bm = max(1, min(kp["BLOCK_M"], 8192 // (kp["HG"] * 2 * next_pow2(D)) * warps // 4))
-    LAUNCHED["one" if one else "fin"] = _pchain_kernel[(nprog if one else X,)](
-        cache.k_min, qctr, tk, half, smp, smh, B, *chain,
-        H=H, HG=kp["HG"], BLOCK_M=bm, NSUB=KCH // bm, AS_IS=topk.KEYS_AS_IS, ONE=one, **consts,
-        **(dict(launch_pdl=True) if pdl else {}),
-    )
+    main = torch.cuda.current_stream() if side else None
+    if side:  # fork: the side stream waits for the memset's event, recorded before the keys launch
+        _SIDE.setdefault(dev, torch.cuda.Stream(dev))
+        _SIDE[dev].wait_event(fork)
+    with torch.cuda.stream(_SIDE[dev]) if side else _nullctx():
+        LAUNCHED["one" if one else "fin"] = _pchain_kernel[(nprog if one else min(X, cq * sms) if cq else X,)](
+            cache.k_min, qctr, tk, half, smp, smh, B, *chain,
+            H=H, HG=kp["HG"], BLOCK_M=bm, NSUB=KCH // bm, AS_IS=topk.KEYS_AS_IS, ONE=one, **consts,
+            **(dict(launch_pdl=True) if pdl else {}),
+        )
+    if side:  # join (every buffer above is freed after this, ordered after the consumer)
+        main.wait_stream(_SIDE[dev])
+    if only_select:
+        assert NSPLIT == 1 and not one, "only_select: one consumer program per row"
+        out, _ = attend(q, cache, ids, Selection(pages, counts), alpha=alpha, scale=scale)
+    else:
+        assert alpha == 1.0, "the consumer's own attention is softmax"
     return out, pages, counts, flag
 
 
-def check(q, cache, ids, scale, budget, res):
+def check(q, cache, ids, scale, budget, res, alpha=1.0):
     """Against the committed step (select + attend): (the same pages in every
     row, max |out - its out|, consumer programs whose poll gave up)."""
-    sel = kselect(TopK(budget), q, cache, ids, alpha=1.0, scale=scale)
-    ref, _ = attend(q, cache, ids, sel, alpha=1.0, scale=scale)
+    sel = kselect(TopK(budget), q, cache, ids, alpha=alpha, scale=scale)
+    ref, _ = attend(q, cache, ids, sel, alpha=alpha, scale=scale)
     out, pages, counts, flag = res
     same = bool(torch.equal(counts, sel.counts))
     W = pages.shape[-1]
@@ -413,14 +459,17 @@ def check(q, cache, ids, scale, budget, res):
 
 
 def parse_variant(v):
-    """[one]kp<programs per SM>w<warps>[cw<pages per step>][s<splits>][r<maxnreg>][p<poll ns>][a][k][nospin]."""
+    """The keywords of proto_step for a variant name: [one]kp<programs per SM>w<warps>[cw<pages per step>]
+    [s<splits>][r<maxnreg>][p<poll ns>][q<consumer programs per SM>][a][k][nospin][x][o]."""
     import re
 
-    m = re.fullmatch(r"(one)?kp(\d+)w(\d+)(?:cw(\d+))?(?:s(\d+))?(?:r(\d+))?(?:p(\d+))?(a)?(k)?(nospin)?", v)
+    m = re.fullmatch(r"(one)?kp(\d+)w(\d+)(?:cw(\d+))?(?:s(\d+))?(?:r(\d+))?(?:p(\d+))?(?:q(\d+))?"
+                     r"(a)?(k)?(nospin)?(x)?(o)?", v)
     return dict(one=bool(m.group(1)), KP=int(m.group(2)), warps=int(m.group(3)), CW=int(m.group(4) or 16),
                 NSPLIT=int(m.group(5) or 1), maxnreg=int(m.group(6)) if m.group(6) else None,
-                poll=int(m.group(7) or 0), poll_atomic=bool(m.group(8)), keys_pdl=not m.group(9),
-                spin=False if m.group(10) else None)
+                poll=int(m.group(7) or 0), cq=int(m.group(8) or 0), poll_atomic=bool(m.group(9)),
+                keys_pdl=not m.group(10), spin=False if m.group(11) else None, side=bool(m.group(12)),
+                only_select=bool(m.group(13)))
 
 
 def timeline(name, variants, q, cache, ids, scale, flush):
@@ -453,6 +502,7 @@ def main(argv=None):
     ap.add_argument("--configs", default="paper_128k,paper_32k,paper_512k")
     ap.add_argument("--variants", default="kp2w4cw32,kp2w4cw32s2r128p500,kp2w4cw16s4r128p500,kp2w4cw16s4r128nospin",
                     help="comma-separated variant names (module docstring)")
+    ap.add_argument("--alpha", type=float, default=1.0, help="1.0 (Quest top-k) or 1.5 (entmax top-k, 'o' only)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--timeline", action="store_true",
@@ -471,20 +521,24 @@ def main(argv=None):
         if args.timeline:
             timeline(name, args.variants.split(","), q, cache, ids, scale, flush)
             continue
-        g, _ = capture(make_step(K, "quest_topk1024", cache, ids, q, k4, v4, scale))
+        method = "quest_topk1024" if args.alpha == 1.0 else "entmax_topk1024"
+        assert METHODS[method][0] == args.alpha, "--alpha: 1.0 or bench_decode's ALPHA"
+        g, _ = capture(make_step(K, method, cache, ids, q, k4, v4, scale))
         rows = {"committed": g}
         for v in args.variants.split(","):
             def step(kw=parse_variant(v)):
-                return proto_step(q, cache, ids, budget=1024, scale=scale, **kw)
+                return proto_step(q, cache, ids, budget=1024, scale=scale, alpha=args.alpha, **kw)
             res = step()
             torch.cuda.synchronize()
             regs = {k: (getattr(c, "n_regs", None), getattr(c, "n_spills", None)) for k, c in LAUNCHED.items()}
-            print(f"{name:12s} {v:12s} eager pages_same/dout/timeouts={check(q, cache, ids, scale, 1024, res)} "
+            ok = check(q, cache, ids, scale, 1024, res, args.alpha)
+            print(f"{name:12s} {v:12s} eager pages_same/dout/timeouts={ok} "
                   f"regs/spills={regs}")
             g, res = capture(step)
             g.replay()
             torch.cuda.synchronize()
-            print(f"{name:12s} {v:12s} graph pages_same/dout/timeouts={check(q, cache, ids, scale, 1024, res)}")
+            ok = check(q, cache, ids, scale, 1024, res, args.alpha)
+            print(f"{name:12s} {v:12s} graph pages_same/dout/timeouts={ok}")
             rows[v] = g
         for rnd in range(2):
             line = []
