@@ -36,7 +36,10 @@ row chains from one work queue in batch order.
 
 Pages (per row, sorted) and outputs are checked against select_topk +
 attend; the graphs are timed next to the committed step (L2 flushed,
-median). ``--timeline`` prints %globaltimer stamps of a replayed graph per
+median). Since the twelfth session the committed step itself takes the
+"o" form (topk.OVERLAP) at batch >= 2 up to 32768 pages per row;
+``--chain`` times the chain it replaced instead (OVERLAP = False), as the
+calls in results/overlap.log did. ``--timeline`` prints %globaltimer stamps of a replayed graph per
 batch row instead. Measured: benchmarks/results/overlap.log.
 
 Variant names: [one]kp<keys programs per SM>w<warps of _pchain_kernel>
@@ -503,6 +506,8 @@ def main(argv=None):
     ap.add_argument("--variants", default="kp2w4cw32,kp2w4cw32s2r128p500,kp2w4cw16s4r128p500,kp2w4cw16s4r128nospin",
                     help="comma-separated variant names (module docstring)")
     ap.add_argument("--alpha", type=float, default=1.0, help="1.0 (Quest top-k) or 1.5 (entmax top-k, 'o' only)")
+    ap.add_argument("--chain", action="store_true",
+                    help="the committed step with topk.OVERLAP = False (the chain the overlapped selection replaced)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--timeline", action="store_true",
@@ -511,6 +516,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import entmaxkv.kernels as K
+
+    if args.chain:
+        topk.OVERLAP = False
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")

@@ -456,6 +456,108 @@ def test_rowsel_dispatch(monkeypatch):
         assert page_sets(sel) == page_sets(ref)
 
 
+def _spy_rowsel(monkeypatch, tk):
+    """Record (cnt, nchk) of every launch_rowsel call, after it ran."""
+    calls = []
+    real = tk.launch_rowsel
+
+    def spy(*a, **k):
+        real(*a, **k)
+        calls.append((k.get("cnt"), k.get("nchk", 0)))
+    monkeypatch.setattr(tk, "launch_rowsel", spy)
+    return calls
+
+
+@pytest.mark.parametrize("policy", [TopK(24), TopK(40, sinks=1, window=2), TopK(300)],
+                         ids=["k24", "k40-sinks-window", "k300"])
+@pytest.mark.parametrize("dtype,H,D,P,slopes,lens", [
+    (torch.float16, 3, 24, 4, True, [700, 3, 1100]), (torch.bfloat16, 5, 16, 8, False, [1500, 2]),
+    (torch.float32, 2, 40, 1, True, [37, 900, 1, 401]),
+], ids=["f16-h3-b3-alibi", "bf16-h5-b2", "f32-h2-p1-b4-alibi"])
+def test_topk_overlapped(policy, dtype, H, D, P, slopes, lens, monkeypatch):
+    """The overlapped selection (use_overlap forced: on the interpreter
+    there is no PDL, so the selection runs after the keys pass, but through
+    the same code): _keys_kernel in batch order raising a counter per batch
+    row after each chunk, _rowsel_kernel polling it and taking its rows'
+    group maxima itself. Every batch row's counter must end at the number
+    of chunks the selection waits for, and the pages must be the
+    reference's (odd lengths, a sequence of one page, sinks / window, ALiBi)."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    monkeypatch.setattr(tk, "use_overlap", lambda B, W, MK, pdl: True)
+    calls = _spy_rowsel(monkeypatch, tk)
+    cache, ids, q, sl = setup(lens, H, 1, D, P, dtype, seed=len(lens) + H, slopes=slopes)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert len(calls) == 1 and calls[0][0] is not None and calls[0][1] >= 1
+    cnt, nchk = calls[0]
+    assert torch.equal(cnt.cpu(), torch.full((len(lens),), nchk, dtype=torch.int32))
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    assert page_sets(sel) == page_sets(ref)
+    out, _ = K.attend(q, cache, ids, sel, alpha=1.5, scale=0.3, slopes=sl)
+    want, _ = RA.attend(q, cache, ids, ref, alpha=1.5, scale=0.3, slopes=sl)
+    assert rel_err(out, want) < 1e-2
+
+
+def test_topk_overlap_dispatch(monkeypatch):
+    """use_overlap: batch >= 2, rows of at most OVERLAP_MAX_KEYS slots,
+    widths _rowsel_kernel takes, PDL launches; select_topk follows it but
+    never with the certified bounds (ub), and not on the interpreter (no
+    PDL) unless forced."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    assert tk.use_overlap(8, 64, 8192, True)  # 8 x 128k top-k 1024
+    assert tk.use_overlap(8, 256, 32768, True)  # 8 x 512k top-k 4096
+    assert not tk.use_overlap(1, 64, 8192, True)  # batch 1
+    assert not tk.use_overlap(8, 64, 65536, True)  # 8 x 1M: rows too long for one program's maxima
+    assert not tk.use_overlap(8, 1024, 8192, True)  # wider than ROWSEL_MAX_W
+    assert not tk.use_overlap(8, 64, 8192, False)  # no PDL: nothing to overlap
+    monkeypatch.setattr(tk, "OVERLAP", False)
+    assert not tk.use_overlap(8, 64, 8192, True)
+    monkeypatch.setattr(tk, "OVERLAP", True)
+    calls = _spy_rowsel(monkeypatch, tk)
+    cache, ids, q, _ = setup([700, 3, 1100], 2, 1, 16, 4, torch.float16, seed=3)
+    ref = RP.select(TopK(300), q, cache, ids, alpha=1.5, scale=0.3)
+    sel = K.select(TopK(300), q, cache, ids, alpha=1.5, scale=0.3)
+    assert calls == [(None, 0)] and page_sets(sel) == page_sets(ref)  # the interpreter: no PDL
+    monkeypatch.setattr(tk, "use_overlap", lambda B, W, MK, pdl: True)
+    calls.clear()
+    ub = torch.empty(3, 2, cache.block_table.shape[1], dtype=torch.float32, device=DEV)
+    sel = tk.select_topk(q, cache, ids, budget=300, scale=0.3, ub=ub)
+    assert calls == [(None, 0)] and page_sets(sel) == page_sets(ref)  # the certified bounds: not overlapped
+    calls.clear()
+    sel = tk.select_topk(q, cache, ids, budget=300, scale=0.3)
+    assert len(calls) == 1 and calls[0][0] is not None and page_sets(sel) == page_sets(ref)
+
+
+@pytest.mark.parametrize("published", [True, False], ids=["published", "poll-gives-up"])
+def test_rowsel_poll(published, monkeypatch):
+    """_rowsel_kernel with counters (launch_rowsel's cnt) on a ready key
+    table: waiting for counters already at nchk, or for counters that never
+    get there (OVERLAP_POLLS = 3: the poll gives up, and without PDL the
+    keys were complete before the launch), it selects each row's k largest
+    keys, taking the group maxima itself."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    monkeypatch.setattr(tk, "OVERLAP_POLLS", 3)
+    gen = torch.Generator().manual_seed(8)
+    P, MK, CH, nchk = 4, 1024, 256, 5
+    n_pages = [1000, 10, 750, 333]
+    lens = torch.tensor([m * P for m in n_pages], dtype=torch.int32)
+    keys = torch.full((4, MK), -2**31, dtype=torch.int32)
+    for r, m in enumerate(n_pages):
+        keys[r, :m] = torch.randint(-2**31 + 1, 2**31 - 1, (m,), generator=gen, dtype=torch.int64).to(torch.int32)
+    cnt = torch.full((2,), nchk if published else 1, dtype=torch.int32, device=DEV)
+    pages = torch.full((2, 2, 16), -1, dtype=torch.int32, device=DEV)
+    counts = torch.full((2, 2), -1, dtype=torch.int32, device=DEV)
+    tk.launch_rowsel(keys.flatten().to(DEV), MK, CH, torch.tensor([0, 2], dtype=torch.int32, device=DEV),
+                     lens.to(DEV), pages, counts, 0, 0, 9, P, cnt=cnt, nchk=nchk)
+    for r, m in enumerate(n_pages):
+        seq_len = int(lens[[0, 2][r // 2]])  # batch row b reads cache slot ids[b]; its two rows share it
+        k_row = min(9, -(-seq_len // P))
+        got = pages.view(4, 16)[r, :k_row].cpu().long()
+        assert int(counts.view(4)[r]) == k_row and len(set(got.tolist())) == k_row
+        want = torch.topk(keys[r, :m], min(k_row, m)).values
+        assert torch.equal(torch.sort(keys[r, got]).values, torch.sort(want).values), r
+
+
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
 @pytest.mark.parametrize("path", ["rowsel", "rowsel-cut", "chunks", "chunks-exact-lb", "no-prefilter"])
 def test_topk_long_rows_prefilter(layout, path, monkeypatch):
@@ -868,7 +970,9 @@ def test_decode_dispatches_to_kernels():
 def test_pdl_kernels_wait_first():
     """A kernel launched with programmatic dependent launch may start before
     its predecessor finishes: every kernel taking the PDL switch must call
-    pdl_start(PDL) (the wait) before anything else."""
+    pdl_start(PDL) (the wait) before anything else, except _rowsel_kernel's
+    overlapped form, which must wait for its batch row's counter (and take
+    pdl_start otherwise)."""
     import inspect
 
     import triton
@@ -882,7 +986,12 @@ def test_pdl_kernels_wait_first():
             if is_kernel and "PDL" in fn.arg_names:
                 src = inspect.getsource(fn.fn)
                 body = src.split('"""')[-1] if src.count('"""') >= 2 else src.split("):", 1)[1]
-                first = [ln.strip() for ln in body.splitlines() if ln.strip()][0]
-                assert first == "pdl_start(PDL)", (attr, first)
+                lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+                if attr == "_rowsel_kernel":
+                    poll = body.split("else:")[0]
+                    assert lines[0] == "if POLL:" and "wait_count(" in poll and "gdc_wait" not in poll, lines[:3]
+                    assert lines[lines.index("else:") + 1] == "pdl_start(PDL)"
+                else:
+                    assert lines[0] == "pdl_start(PDL)", (attr, lines[0])
                 found += 1
     assert found == 18

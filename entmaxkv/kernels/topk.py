@@ -34,7 +34,15 @@ _lb_kernel, 1 and 2: it finds lb from the group maxima, reads only the keys
 of the groups whose maximum reaches lb and selects among those >= lb
 (``launch_rowsel``).
 
-Every stage writes fixed-shape buffers; nothing synchronises with the host.
+The overlapped selection (``use_overlap``: batch >= 2, rows of at most
+OVERLAP_MAX_KEYS key slots, PDL): _keys_kernel runs in batch order and
+raises a counter per batch row as its chunks are stored, and
+_rowsel_kernel, launched without waiting for it, polls its batch row's
+counter and takes the row's group maxima itself (no _gmax_kernel), so the
+first batch rows are selected while the last are still being read.
+
+Every stage writes fixed-shape buffers; nothing synchronises with the host
+(the counters are zeroed by a memset and polled on the device).
 """
 from __future__ import annotations
 
@@ -45,7 +53,8 @@ import triton
 import triton.language as tl
 
 from ..types import Selection
-from ._common import as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms, pdl_start, store_b32
+from ._common import (as_slopes, cdiv, gdc_launch_dependents, gdc_wait, interpreting, launch_opts, next_pow2,
+                      num_sms, pdl_start, store_b32)
 from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
@@ -149,6 +158,27 @@ ROWSEL_FEW_TILE = 4096
 # groups than the one tile holds (E = 1: 0.1441 / 0.1494 ms at 1 x 2M;
 # results/rowsel.log section 9).
 ROWSEL_E = 0
+# The overlapped selection (``use_overlap``: batch >= OVERLAP_MIN_BATCH, rows
+# of at most OVERLAP_MAX_KEYS key slots, widths _rowsel_kernel takes, PDL on,
+# no certified bounds): _keys_kernel runs its grid in batch order and raises
+# a counter per batch row after each chunk (a release atomic); then
+# _rowsel_kernel, a PDL launch that does not wait for it, polls its batch
+# row's counter (at most OVERLAP_POLLS loads, then it waits for the whole
+# keys pass instead), takes the row's group maxima itself (no _gmax_kernel)
+# and selects: the first batch rows' selections run while the keys pass's
+# last programs still read. The benchmark's steps against OVERLAP = False
+# in one call (results/overlap_topk/run.log, ms): Quest / entmax top-k 1024
+# / entmax top-k 4096 at 8 x 32k 0.0490 / 0.0550 / 0.0785 -> 0.0468 /
+# 0.0544 / 0.0775, 8 x 128k 0.0919 / 0.0997 / 0.1255 -> 0.0885 / 0.0960 /
+# 0.1207, 8 x 512k 0.2517 / 0.2598 / 0.2845 -> 0.2468 / 0.2568 / 0.2781.
+# Found with benchmarks/overlap_proto.py (results/overlap.log calls 12-15,
+# its variant kp999w4o): at 1 x 2M 17% slower (a program per row takes the
+# maxima of 131072 keys alone), hence the key cap; launched after the keys
+# pass (no PDL, no polling) no faster than the chain it replaces.
+OVERLAP = True
+OVERLAP_MIN_BATCH = 2
+OVERLAP_MAX_KEYS = 32768
+OVERLAP_POLLS = 1 << 20
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -398,7 +428,7 @@ def _keys_kernel(
     M, MK, sinks, window, k_pages,
     H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
-    AS_IS: tl.constexpr, PDL: tl.constexpr,
+    AS_IS: tl.constexpr, cnt_ptr, PUBLISH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
     (one query head per KV head): each page's metadata of HG heads is read as
@@ -407,12 +437,24 @@ def _keys_kernel(
     before computing this step's keys measured no faster:
     results/tune_keys.log.) Keys go to
     key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
-    MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY."""
+    MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY.
+    Grid (B, chunks); with PUBLISH (chunks, B), so that programs start in
+    batch order, each raising int32 cnt[b] by one once its keys are stored
+    (the overlapped selection, OVERLAP)."""
     pdl_start(PDL)
-    _keys_chunk(q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
-                tl.program_id(0), tl.program_id(1),
+    if PUBLISH:
+        i_b = tl.program_id(1)
+        i_c = tl.program_id(0)
+    else:
+        i_b = tl.program_id(0)
+        i_c = tl.program_id(1)
+    _keys_chunk(q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr, i_b, i_c,
                 scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, MK, sinks, window, k_pages,
                 H, HG, P, D, BLOCK_D, BLOCK_M, NSUB, HAS_ALIBI, WRITE_UB, AS_IS)
+    if PUBLISH:
+        # every thread's keys stored before the release that publishes them
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + i_b, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -772,12 +814,47 @@ def _select_row(
 
 
 @triton.jit
+def wait_count(cnt_ptr, target, POLLS: tl.constexpr, PDL: tl.constexpr):
+    """Wait until the int32 counter at cnt_ptr reaches target: volatile
+    loads (no read-modify-write traffic while the producers run), then one
+    acquire, after which what they stored before raising it is visible.
+    After POLLS loads short of it, wait for the whole previous grid instead
+    (with PDL; without, that grid had ended before this one began), so the
+    result is never read early."""
+    c = tl.load(cnt_ptr, volatile=True)
+    k = 0
+    while (c < target) & (k < POLLS):
+        c = tl.load(cnt_ptr, volatile=True)
+        k += 1
+    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    if PDL:
+        if c < target:
+            gdc_wait()
+
+
+@triton.jit
+def _row_gmax(p_row, p_gmax, NKP, GS: tl.constexpr, GT: tl.constexpr):
+    """The largest key of each of the NKP groups of GS keys at p_row (keys
+    other programs stored: read past L1), into p_gmax[0:NKP]; GT groups per
+    step."""
+    o_t = tl.arange(0, GT)
+    o_s = tl.arange(0, GS)
+    for g0 in range(0, NKP, GT):
+        m_t = (g0 + o_t) < NKP
+        b_key = tl.load(p_row + (g0 + o_t)[:, None] * GS + o_s[None, :], mask=m_t[:, None], other=INT32_MIN,
+                        cache_modifier=".cg")
+        tl.store(p_gmax + g0 + o_t, tl.max(b_key, axis=1), mask=m_t)
+    tl.debug_barrier()  # the maxima are read back by other threads
+
+
+@triton.jit
 def _rowsel_kernel(
-    ids_ptr, lens_ptr, key_ptr, gmax_ptr, glist_ptr, ck_ptr, cp_ptr, pages_ptr, counts_ptr,
-    MK, NKP, W, sinks, window, k_pages,
+    ids_ptr, lens_ptr, key_ptr, gmax_ptr, glist_ptr, ck_ptr, cp_ptr, pages_ptr, counts_ptr, cnt_ptr,
+    MK, NKP, W, sinks, window, k_pages, NCHK,
     S: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, NKP_P2: tl.constexpr,
     GB: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, ONE_G: tl.constexpr, NT: tl.constexpr,
-    FEW: tl.constexpr, E: tl.constexpr, PDL: tl.constexpr,
+    FEW: tl.constexpr, E: tl.constexpr, POLL: tl.constexpr, GT: tl.constexpr, POLLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A whole row's selection in one program, from its key table and group
     maxima (_gmax_kernel): lb as _lb_kernel finds it (E = 0: the same groups
@@ -795,15 +872,29 @@ def _rowsel_kernel(
     holding two of the best keys add any) is cut in registers from below
     (cut_from_below) and emitted with no buffer at all.
     Replaces _lb_kernel + _chunk_kernel + _merge_kernel (three dependent
-    launches) when CAP >= GB * GS + next_pow2(W)."""
-    pdl_start(PDL)
+    launches) when CAP >= GB * GS + next_pow2(W).
+    POLL (the overlapped selection): a PDL launch that does not wait for the
+    keys pass: it waits for cnt[b] to reach NCHK (every chunk of batch row
+    b published), then takes the row's group maxima (GT groups per step)
+    itself and reads the keys past L1."""
+    if POLL:
+        # not pdl_start: this launch may begin before the keys pass ends (it is
+        # scheduled only once every keys program has passed its own pdl_start, so
+        # every launch before that pass has ended); it waits for its batch row
+        if PDL:  # let the attention launch be scheduled; it waits for this grid to end
+            gdc_launch_dependents()
+        i_p = tl.program_id(0).to(tl.int64)
+        wait_count(cnt_ptr + i_p // S, NCHK, POLLS, PDL)
+        _row_gmax(key_ptr + i_p * MK, gmax_ptr + i_p * NKP, NKP, GS, GT)
+    else:
+        pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
     n_out = _select_row(key_ptr + i_r * MK, gmax_ptr, i_r, glist_ptr + i_r * NKP_P2, ck_ptr + i_r * CAP,
                         cp_ptr + i_r * CAP, pages_ptr + i_r * W, NKP, k_row,
-                        GS, NKP_P2, GB, CAP, SMALL, ONE_G, NT, FEW, E, "")
+                        GS, NKP_P2, GB, CAP, SMALL, ONE_G, NT, FEW, E, ".cg" if POLL else "")
     tl.store(counts_ptr + i_r, n_out)
 
 
@@ -813,35 +904,45 @@ def _rowsel_kernel(
 
 
 def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, window: int,
-                k_pages: int, *, has_alibi: bool) -> dict:
+                k_pages: int, *, has_alibi: bool, cnt: Optional[torch.Tensor] = None) -> dict:
     """Launch _keys_kernel (one query head per KV head): rank keys of every
     page and head into ``keys`` [B * H * MK] int32 and, when ``ub`` is given,
     the certified bounds into it. ``sl``: as_slopes output; ``ids``: int32
-    cache slots. Returns the keys_plan used (benchmarks/tune_keys.py times
-    this launch alone)."""
+    cache slots; ``cnt``: int32 [B] zeros, or None: raised by one per chunk
+    of keys stored, in batch order (the overlapped selection; a batch row
+    is complete at cdiv(MK, plan["KCH"])). Returns the keys_plan used
+    (benchmarks/tune_keys.py times this launch alone)."""
     B, _, D = q.shape
     H, P = cache.kv_heads, cache.page_size
     M = cache.block_table.shape[1]
     smp, smh = meta_strides(cache)
     kp = keys_plan(B, MK, H, D, num_sms(q.device))
     opts = launch_opts(q.device)
-    _keys_kernel[(B, cdiv(MK, kp["KCH"]))](
+    nchk = cdiv(MK, kp["KCH"])
+    _keys_kernel[(nchk, B) if cnt is not None else (B, nchk)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if ub is not None else keys,
         float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
         M, MK, int(sinks), int(window), k_pages,
         H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
         BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, AS_IS=KEYS_AS_IS, num_warps=kp["WARPS"], **opts,
+        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, AS_IS=KEYS_AS_IS,
+        cnt_ptr=cnt if cnt is not None else keys, PUBLISH=cnt is not None, num_warps=kp["WARPS"], **opts,
     )
     return kp
 
 
+def gmax_groups(MK: int, CH: int, groups: int) -> Tuple[int, int]:
+    """(NKP, group size) of about ``groups`` groups per row of MK key slots
+    (the size a power of two dividing CH pages)."""
+    gs = min(CH, next_pow2(cdiv(MK, groups)))
+    return MK // gs, gs
+
+
 def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, opts: dict):
     """_gmax_kernel over a [rows, MK] key table: the largest key of each of
-    about ``groups`` groups per row (a power of two dividing CH pages).
+    about ``groups`` groups per row (gmax_groups).
     Returns (gmax int32 [rows * NKP], NKP, group size)."""
-    gs = min(CH, next_pow2(cdiv(MK, groups)))
-    NKP = MK // gs
+    NKP, gs = gmax_groups(MK, CH, groups)
     gb = max(1, GMAX_KEYS // gs)
     gmax = torch.empty(rows * NKP, dtype=torch.int32, device=keys.device)
     _gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=GMAX_WARPS, **opts)
@@ -857,18 +958,34 @@ def use_rowsel(W: int, MK: int, rows: int, sms: int) -> bool:
     return MK >= ROWSEL_MIN_PAGES or rows < sms or W > ROWSEL_CHAIN_W
 
 
+def use_overlap(B: int, W: int, MK: int, pdl: bool) -> bool:
+    """Whether a pre-filtered selection of W pages from B batch rows of MK
+    key slots is overlapped with the keys pass (OVERLAP; ``pdl``: the
+    launches are PDL launches, without which there is nothing to overlap).
+    Shapes only, so the choice is the same at every replay."""
+    return (OVERLAP and ROWSEL and pdl and next_pow2(W) <= ROWSEL_MAX_W and B >= OVERLAP_MIN_BATCH
+            and MK <= OVERLAP_MAX_KEYS)
+
+
 def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
                   pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
-                  P: int) -> None:
-    """A whole selection from a ready key table: _gmax_kernel, then one
+                  P: int, *, cnt: Optional[torch.Tensor] = None, nchk: int = 0) -> None:
+    """A whole selection from a key table: _gmax_kernel, then one
     _rowsel_kernel program per row. keys: int32 [B * S * MK] (row b * S + s,
     INT32_MIN past the row's pages); ids: int32 [B] cache slots; pages /
-    counts: the Selection's int32 [B, S, W] / [B, S], written here."""
+    counts: the Selection's int32 [B, S, W] / [B, S], written here.
+    ``cnt``: the keys pass's int32 [B] counters (launch_keys) when it is
+    still running: each program waits for its batch row's to reach ``nchk``
+    and takes the row's group maxima itself (no _gmax_kernel)."""
     B, S, W = pages.shape
     opts = launch_opts(keys.device)
     groups = min(max(GMAX_GROUPS, ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // ROWSEL_GS),
                  max(GMAX_GROUPS, MK // ROWSEL_MIN_GS))
-    gmax, NKP, gs = launch_gmax(keys, B * S, MK, CH, groups, opts)
+    if cnt is None:
+        gmax, NKP, gs = launch_gmax(keys, B * S, MK, CH, groups, opts)
+    else:
+        NKP, gs = gmax_groups(MK, CH, groups)
+        gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=keys.device)
     blk = max(ROWSEL_BLK, gs)
     cap = next_pow2(blk + next_pow2(W))
     nkp_p2 = next_pow2(NKP)
@@ -877,10 +994,11 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     cp = torch.empty_like(ck)
     one_g = max(1, min(next_pow2(W), ROWSEL_ONE // gs))
     _rowsel_kernel[(B * S,)](
-        ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts,
-        MK, NKP, W, sinks, window, k_pages,
+        ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts, cnt if cnt is not None else counts,
+        MK, NKP, W, sinks, window, k_pages, nchk,
         S=S, P=P, GS=gs, NKP_P2=nkp_p2, GB=blk // gs, CAP=cap, SMALL=min(cap, ROWSEL_SMALL),
         ONE_G=one_g, NT=ROWSEL_NT, FEW=ROWSEL_FEW if one_g * gs <= ROWSEL_FEW_TILE else -1, E=ROWSEL_E,
+        POLL=cnt is not None, GT=max(1, GMAX_KEYS // gs), POLLS=OVERLAP_POLLS,
         num_warps=ROWSEL_WARPS or (8 if B * S <= num_sms(keys.device) else 4), **opts,
     )
 
@@ -942,11 +1060,16 @@ def select_topk(
     write_ub = ub is not None
     opts = launch_opts(dev)
     prefilter = all_heads and PREFILTER
+    # the overlapped selection (use_overlap) publishes the keys per batch row; not with the
+    # certified bounds, which later launches read (they wait for the selection, not the keys pass)
+    overlap = prefilter and not write_ub and use_overlap(B, W, MK, bool(opts["PDL"]))
+    cnt = torch.zeros(B, dtype=torch.int32, device=dev) if overlap else None
     if all_heads:
-        launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
-                    has_alibi=slopes is not None)
-    if prefilter and use_rowsel(W, MK, B * S, num_sms(dev)):
-        launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window), k_pages, P)
+        kp = launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
+                         has_alibi=slopes is not None, cnt=cnt)
+    if overlap or (prefilter and use_rowsel(W, MK, B * S, num_sms(dev))):
+        launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window), k_pages, P,
+                      cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0)
         return Selection(pages, counts)
     if NCH > 1:
         ck = torch.empty(B * S * NCH * W, dtype=torch.int32, device=dev)
