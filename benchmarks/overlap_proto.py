@@ -69,7 +69,8 @@ from entmaxkv.kernels import attend, topk
 from entmaxkv.kernels import select as kselect
 from entmaxkv.kernels._common import cdiv, gdc_launch_dependents, gdc_wait, next_pow2, num_sms
 from entmaxkv.kernels.scoring import meta_strides, prep_query
-from entmaxkv.kernels.topk import INT32_MIN, _keys_chunk, _select_row, half_offset, keys_plan, row_budget, topk_width
+from entmaxkv.kernels.topk import (_keys_chunk, _row_gmax, _select_row, half_offset, keys_plan, row_budget,
+                                   rowsel_plan, topk_width)
 from entmaxkv.policies import TopK
 from entmaxkv.types import Selection
 
@@ -232,14 +233,7 @@ def _pchain_kernel(
             npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
             p_row = key_ptr + i_r * MK
             # -- group maxima of the row (keys read past L1: other SMs wrote them)
-            o_t = tl.arange(0, GT)
-            o_s = tl.arange(0, GS)
-            for g0 in range(0, NKP, GT):  # (t is the work queue's item)
-                m_t = (g0 + o_t) < NKP
-                b = tl.load(p_row + (g0 + o_t)[:, None] * GS + o_s[None, :], mask=m_t[:, None], other=INT32_MIN,
-                            cache_modifier=".cg")
-                tl.store(gmax_ptr + i_x * NKP + g0 + o_t, tl.max(b, axis=1), mask=m_t)
-            tl.debug_barrier()
+            _row_gmax(p_row, gmax_ptr + i_x * NKP, NKP, GS, GT)
             if TIMING:
                 tl.store(tf_ptr + i_x * 6 + 2, _now(TIMING))
             # -- _rowsel_kernel's selection (E = 0), into this program's scratch
@@ -385,18 +379,11 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
             num_warps=kp["WARPS"], **(dict(launch_pdl=True) if pdl and keys_pdl else {}),
         )
     # the selection's shapes, as launch_rowsel sizes them
-    groups = min(max(topk.GMAX_GROUPS, topk.ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // topk.ROWSEL_GS),
-                 max(topk.GMAX_GROUPS, MK // topk.ROWSEL_MIN_GS))
-    gs = min(KCH, next_pow2(cdiv(MK, groups)))
-    NKP = MK // gs
-    blk = max(topk.ROWSEL_BLK, gs)
-    cap = next_pow2(blk + next_pow2(W))
-    nkp_p2 = next_pow2(NKP)
-    one_g = max(1, min(next_pow2(W), topk.ROWSEL_ONE // gs))
+    _, NKP, rp = rowsel_plan(MK, KCH, W)
     X = B * S * NSPLIT  # chain programs, each with its own selection scratch
     gmax = torch.empty(X * NKP, dtype=torch.int32, device=dev)
-    glist = torch.empty(X * nkp_p2, dtype=torch.int32, device=dev)
-    ck = torch.empty(X * cap, dtype=torch.int32, device=dev)
+    glist = torch.empty(X * rp["NKP_P2"], dtype=torch.int32, device=dev)
+    ck = torch.empty(X * rp["CAP"], dtype=torch.int32, device=dev)
     sel = torch.empty(X * W, dtype=torch.int32, device=dev)
     pm = torch.empty(X, dtype=torch.float32, device=dev)
     pl = torch.empty(X, dtype=torch.float32, device=dev)
@@ -415,9 +402,7 @@ def proto_step(q, cache, ids, *, budget, scale, KP=2, spin=None, warps=4, CW=16,
         q.stride(0), q.stride(1), kv[0], kv[1], kv[2], vv[0], vv[1], vv[2], out.stride(0), out.stride(1),
     )
     consts = dict(
-        S=S, P=P, GS=gs, NKP_P2=nkp_p2, GT=max(1, 4096 // gs), GB=blk // gs, CAP=cap,
-        SMALL=min(cap, topk.ROWSEL_SMALL), ONE_G=one_g, NT=topk.ROWSEL_NT,
-        FEW=topk.ROWSEL_FEW if one_g * gs <= topk.ROWSEL_FEW_TILE else -1,
+        S=S, P=P, NT=topk.ROWSEL_NT, **rp,
         D=D, BLOCK_D=next_pow2(D), CW=CW, SPIN=on_gpu if spin is None else spin, NSPLIT=NSPLIT, SHARE=share,
         tf_ptr=tf, TIMING=timing, POLL_NS=poll, POLL_ATOMIC=poll_atomic, QUEUE=bool(cq) and not one,
         ATTEND=not only_select,

@@ -432,30 +432,6 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
     assert page_sets(sel) == page_sets(ref)
 
 
-def test_rowsel_dispatch(monkeypatch):
-    """use_rowsel picks _rowsel_kernel except for short rows with small
-    budgets when rows >= SMs (the benchmark's 8 x 32k top-k 1024), and
-    select_topk follows it (a spy on launch_rowsel), the pages right either way."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    assert not tk.use_rowsel(64, 2048, 192, 132)  # 8 x 32k top-k 1024: the chunked chain
-    assert tk.use_rowsel(256, 2048, 192, 132)  # top-k 4096
-    assert tk.use_rowsel(64, 8192, 192, 132)  # 8 x 128k
-    assert tk.use_rowsel(64, 2048, 24, 132)  # batch 1
-    assert not tk.use_rowsel(1024, 2**17, 24, 132)  # wider than ROWSEL_MAX_W
-    calls = []
-    real = tk.launch_rowsel
-    monkeypatch.setattr(tk, "launch_rowsel", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for lens, H, policy, want in [([700, 3], 1, TopK(24), True), ([700, 3, 1100], 2, TopK(24), False),
-                                  ([700, 3, 1100], 2, TopK(300), True)]:
-        calls.clear()
-        cache, ids, q, _ = setup(lens, H, 1, 16, 4, torch.float16, seed=H + len(lens))
-        sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
-        ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
-        assert bool(calls) == want  # 4 SMs on the interpreter: rows >= 4 with W <= 64 take the chain
-        assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
-        assert page_sets(sel) == page_sets(ref)
-
-
 def _spy_rowsel(monkeypatch, tk):
     """Record (cnt, nchk) of every launch_rowsel call, after it ran."""
     calls = []
@@ -466,6 +442,28 @@ def _spy_rowsel(monkeypatch, tk):
         calls.append((k.get("cnt"), k.get("nchk", 0)))
     monkeypatch.setattr(tk, "launch_rowsel", spy)
     return calls
+
+
+def test_rowsel_dispatch(monkeypatch):
+    """use_rowsel picks _rowsel_kernel except for short rows with small
+    budgets when rows >= SMs (the benchmark's 8 x 32k top-k 1024), and
+    select_topk follows it (a spy on launch_rowsel), the pages right either way."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    assert not tk.use_rowsel(64, 2048, 192, 132)  # 8 x 32k top-k 1024: the chunked chain
+    assert tk.use_rowsel(256, 2048, 192, 132)  # top-k 4096
+    assert tk.use_rowsel(64, 8192, 192, 132)  # 8 x 128k
+    assert tk.use_rowsel(64, 2048, 24, 132)  # batch 1
+    assert not tk.use_rowsel(1024, 2**17, 24, 132)  # wider than ROWSEL_MAX_W
+    calls = _spy_rowsel(monkeypatch, tk)
+    for lens, H, policy, want in [([700, 3], 1, TopK(24), True), ([700, 3, 1100], 2, TopK(24), False),
+                                  ([700, 3, 1100], 2, TopK(300), True)]:
+        calls.clear()
+        cache, ids, q, _ = setup(lens, H, 1, 16, 4, torch.float16, seed=H + len(lens))
+        sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
+        ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
+        assert bool(calls) == want  # 4 SMs on the interpreter: rows >= 4 with W <= 64 take the chain
+        assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+        assert page_sets(sel) == page_sets(ref)
 
 
 @pytest.mark.parametrize("policy", [TopK(24), TopK(40, sinks=1, window=2), TopK(300)],

@@ -467,11 +467,17 @@ def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr,
     this pass and _lb_kernel take 3.4 + 4.8 us (8 x 128k)."""
     pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
-    o_g = tl.program_id(1) * GB + tl.arange(0, GB)
+    _gmax_block(key_ptr + i_r * MK, gmax_ptr + i_r * NKP, tl.program_id(1) * GB + tl.arange(0, GB), NKP, GS, "")
+
+
+@triton.jit
+def _gmax_block(p_row, p_gmax, o_g, NKP, GS: tl.constexpr, CACHE: tl.constexpr):
+    """The largest key of groups o_g (those < NKP) of GS keys at p_row, into
+    p_gmax[o_g]; keys loaded with cache modifier CACHE."""
     m_g = o_g < NKP
-    b_key = tl.load(key_ptr + i_r * MK + o_g[:, None] * GS + tl.arange(0, GS)[None, :],
-                    mask=m_g[:, None], other=INT32_MIN)
-    tl.store(gmax_ptr + i_r * NKP + o_g, tl.max(b_key, axis=1), mask=m_g)
+    b_key = tl.load(p_row + o_g[:, None] * GS + tl.arange(0, GS)[None, :], mask=m_g[:, None], other=INT32_MIN,
+                    cache_modifier=CACHE)
+    tl.store(p_gmax + o_g, tl.max(b_key, axis=1), mask=m_g)
 
 
 @triton.jit
@@ -837,13 +843,8 @@ def _row_gmax(p_row, p_gmax, NKP, GS: tl.constexpr, GT: tl.constexpr):
     """The largest key of each of the NKP groups of GS keys at p_row (keys
     other programs stored: read past L1), into p_gmax[0:NKP]; GT groups per
     step."""
-    o_t = tl.arange(0, GT)
-    o_s = tl.arange(0, GS)
     for g0 in range(0, NKP, GT):
-        m_t = (g0 + o_t) < NKP
-        b_key = tl.load(p_row + (g0 + o_t)[:, None] * GS + o_s[None, :], mask=m_t[:, None], other=INT32_MIN,
-                        cache_modifier=".cg")
-        tl.store(p_gmax + g0 + o_t, tl.max(b_key, axis=1), mask=m_t)
+        _gmax_block(p_row, p_gmax, g0 + tl.arange(0, GT), NKP, GS, ".cg")
     tl.debug_barrier()  # the maxima are read back by other threads
 
 
@@ -967,6 +968,24 @@ def use_overlap(B: int, W: int, MK: int, pdl: bool) -> bool:
             and MK <= OVERLAP_MAX_KEYS)
 
 
+def rowsel_plan(MK: int, CH: int, W: int) -> Tuple[int, int, dict]:
+    """_rowsel_kernel's shapes for rows of MK key slots (CH pages per key
+    chunk) and a selection W pages wide: (the group count asked of
+    gmax_groups, NKP groups, constexprs: GS keys per group, NKP_P2 group
+    list slots, GB groups per step of the general loop, a CAP-slot candidate
+    buffer and SMALL-slot short tile, the one tile's ONE_G groups and FEW
+    rule, GT groups per step of a program's own group maxima)."""
+    groups = min(max(GMAX_GROUPS, ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // ROWSEL_GS),
+                 max(GMAX_GROUPS, MK // ROWSEL_MIN_GS))
+    NKP, gs = gmax_groups(MK, CH, groups)
+    blk = max(ROWSEL_BLK, gs)
+    cap = next_pow2(blk + next_pow2(W))
+    one_g = max(1, min(next_pow2(W), ROWSEL_ONE // gs))
+    return groups, NKP, dict(GS=gs, NKP_P2=next_pow2(NKP), GB=blk // gs, CAP=cap, SMALL=min(cap, ROWSEL_SMALL),
+                             ONE_G=one_g, FEW=ROWSEL_FEW if one_g * gs <= ROWSEL_FEW_TILE else -1,
+                             GT=max(1, GMAX_KEYS // gs))
+
+
 def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
                   pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
                   P: int, *, cnt: Optional[torch.Tensor] = None, nchk: int = 0) -> None:
@@ -979,26 +998,18 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     and takes the row's group maxima itself (no _gmax_kernel)."""
     B, S, W = pages.shape
     opts = launch_opts(keys.device)
-    groups = min(max(GMAX_GROUPS, ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // ROWSEL_GS),
-                 max(GMAX_GROUPS, MK // ROWSEL_MIN_GS))
+    groups, NKP, rp = rowsel_plan(MK, CH, W)
     if cnt is None:
-        gmax, NKP, gs = launch_gmax(keys, B * S, MK, CH, groups, opts)
+        gmax = launch_gmax(keys, B * S, MK, CH, groups, opts)[0]
     else:
-        NKP, gs = gmax_groups(MK, CH, groups)
         gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=keys.device)
-    blk = max(ROWSEL_BLK, gs)
-    cap = next_pow2(blk + next_pow2(W))
-    nkp_p2 = next_pow2(NKP)
-    glist = torch.empty(B * S * nkp_p2, dtype=torch.int32, device=keys.device)
-    ck = torch.empty(B * S * cap, dtype=torch.int32, device=keys.device)
+    glist = torch.empty(B * S * rp["NKP_P2"], dtype=torch.int32, device=keys.device)
+    ck = torch.empty(B * S * rp["CAP"], dtype=torch.int32, device=keys.device)
     cp = torch.empty_like(ck)
-    one_g = max(1, min(next_pow2(W), ROWSEL_ONE // gs))
     _rowsel_kernel[(B * S,)](
         ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts, cnt if cnt is not None else counts,
         MK, NKP, W, sinks, window, k_pages, nchk,
-        S=S, P=P, GS=gs, NKP_P2=nkp_p2, GB=blk // gs, CAP=cap, SMALL=min(cap, ROWSEL_SMALL),
-        ONE_G=one_g, NT=ROWSEL_NT, FEW=ROWSEL_FEW if one_g * gs <= ROWSEL_FEW_TILE else -1, E=ROWSEL_E,
-        POLL=cnt is not None, GT=max(1, GMAX_KEYS // gs), POLLS=OVERLAP_POLLS,
+        S=S, P=P, NT=ROWSEL_NT, E=ROWSEL_E, POLL=cnt is not None, POLLS=OVERLAP_POLLS, **rp,
         num_warps=ROWSEL_WARPS or (8 if B * S <= num_sms(keys.device) else 4), **opts,
     )
 
