@@ -8,7 +8,11 @@ prints one line per case plus a summary; exits 1 on any failure. Large
 shapes (batch 8 x 512k and 1M tokens) are checked by
 ``bench_decode.py --check``.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--quick]
+    PYTHONPATH=. python benchmarks/gpu_check.py [--quick] [--only overlapped,finish,...]
+
+``--only`` runs just the named sweeps: ``cases`` (the per-case grid),
+``overlapped`` (the overlapped top-k step replayed many times), ``dense``
+(the dense one-head sweep), ``finish``.
 """
 from __future__ import annotations
 
@@ -40,6 +44,20 @@ def sets(sel):
     return [[frozenset(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
 
 
+def capture(step):
+    """A CUDA graph of ``step()`` (after one warm-up call on a side stream, as
+    capture requires) and the outputs its replays write."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        step()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    return g, out
+
+
 def make(lens, H, G, D, P, dtype, seed, key_scale=1.5):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n = max(lens)
@@ -54,7 +72,10 @@ def make(lens, H, G, D, P, dtype, seed, key_scale=1.5):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="cases,overlapped,dense,finish",
+                    help="comma-separated sweeps to run (default: all): cases, overlapped, dense, finish")
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
     from entmaxkv import kernels as K
 
     fails = []
@@ -74,12 +95,16 @@ def main(argv=None):
     if args.quick:
         grid = [(torch.float16, 32, (2, 1), 16), (torch.bfloat16, 128, (2, 4), 16),
                 (torch.float32, 64, (2, 4), 8), (torch.float16, 256, (2, 1), 128)]
-    for case_i, (dtype, D, (H, G), P) in enumerate(grid):
+    for case_i, (dtype, D, (H, G), P) in enumerate(grid if "cases" in only else []):
         try:
             run_case(case_i, dtype, D, H, G, P, K, report)
         except Exception as exc:  # noqa: BLE001  (a compile error must not hide the other cases)
             report(f"case {case_i} {dtype} D{D} H{H}G{G} P{P}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
-    for name, sweep in (("dense one-head sweep", check_dense_one_head), ("finish sweep", check_finish)):
+    sweeps = (("overlapped", "overlapped top-k sweep", check_overlapped),
+              ("dense", "dense one-head sweep", check_dense_one_head), ("finish", "finish sweep", check_finish))
+    for key, name, sweep in sweeps:
+        if key not in only:
+            continue
         try:
             sweep(K, report, dims)
         except Exception as exc:  # noqa: BLE001
@@ -98,6 +123,56 @@ def check_dense(K, report, name, q, cache, ids, alpha, scale, slopes):
     ro, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=scale, slopes=slopes)
     e, te = rel(o, ro), float((tau.double() - rtau).abs().max())
     report(name, e < TOL[q.dtype] and te < 1e-4, f"rel {e:.1e} tau {te:.1e}")
+
+
+def check_overlapped(K, report, dims, replays=50):
+    """The overlapped top-k step (batch >= 2, one query head per KV head:
+    _keys_kernel raising a counter per batch row, _rowsel_kernel polling it
+    and publishing Selection.ready, the attention polling that per row):
+    pages equal to the reference policy's, the output close to the float64
+    reference, and a CUDA graph of the step replayed ``replays`` times with
+    every replay's output bit-equal to the eager step's (a read before its
+    producer's write, or a write into memory a running launch still uses,
+    would show as a replay that differs). Benchmark-like rows (24 heads of d 32,
+    fp16, page 16) and odd ones (other dtypes, head dims, page sizes, ALiBi,
+    sinks / window, general alpha)."""
+    del dims
+    shapes = [  # (lens, H, D, P, dtype, alibi, policy, alphas)
+        ([32768] * 8, 24, 32, 16, torch.float16, False, RP.TopK(1024), (1.0, 1.5)),
+        ([32768] * 8, 24, 32, 16, torch.float16, False, RP.TopK(4096, sinks=1, window=2), (1.5, 2.0)),
+        ([20001, 5, 9000, 17], 6, 64, 8, torch.bfloat16, True, RP.TopK(512, sinks=2, window=1), (1.0, 1.3)),
+        ([7000, 12345, 33], 4, 128, 64, torch.float32, False, RP.TopK(2048), (1.5, 1.0)),
+    ]
+    for i, (lens, H, D, P, dtype, alibi, pol, alphas) in enumerate(shapes):
+        cache, ids, q = make(lens, H, 1, D, P, dtype, seed=100 + i)
+        scale = 1.0 / math.sqrt(D)
+        slopes = (torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
+                  if alibi else None)
+        tag = f"B{len(lens)} n{max(lens)} H{H} D{D} P{P} {str(dtype)[6:]}{' alibi' if alibi else ''} k{pol.budget}"
+        for alpha in alphas:
+            sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+            rsel = RP.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+            same = sets(sel) == sets(rsel)
+            eo, etau = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes)
+            ro, _ = RA.attend(q.double(), cache, ids, rsel, alpha=alpha, scale=scale, slopes=slopes)
+            e = rel(eo, ro)
+            overlapped = sel.pending is not None
+            zero = overlapped and bool((sel.pending.counters[0] == 1).all())
+
+            def step():
+                s_ = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+                return K.attend(q, cache, ids, s_, alpha=alpha, scale=scale, slopes=slopes)[0]
+
+            g, go = capture(step)
+            bad = 0
+            for _ in range(replays):
+                g.replay()
+                bad += int(not torch.equal(go, eo))
+            torch.cuda.synchronize()
+            report(f"overlapped a{alpha} {tag}", overlapped and zero and same and e < TOL[dtype] and bad == 0,
+                   f"overlapped {overlapped} rows published {zero} sets {same} rel {e:.1e} "
+                   f"replays differing {bad}/{replays}")
+            del g
 
 
 def check_dense_one_head(K, report, dims):
@@ -230,14 +305,7 @@ def run_case(case_i, dtype, D, H, G, P, K, report):
                 return K.attend(q, cache, ids, s_, alpha=1.5, scale=scale, slopes=slopes)
 
             eo, _ = step()
-            st = torch.cuda.Stream()
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                step()
-            torch.cuda.current_stream().wait_stream(st)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                go, _ = step()
+            g, (go, _) = capture(step)
             g.replay()
             torch.cuda.synchronize()
             report(f"cuda graph {tag}", bool(torch.equal(go, eo)), "replay == eager")

@@ -5,7 +5,7 @@ a decode step can be captured in a CUDA graph and sharded by pages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -24,6 +24,10 @@ class Selection:
         counts:  int32 [batch, sel_heads]: number of valid entries per row.
         tau_hat: float32 [batch, q_heads] or None: the policy's estimate of the
                  entmax threshold (a warm start for the exact solve).
+        pending: Pending or None: set by a selection whose last kernel may
+                 still be running when the next launch starts (the Triton
+                 top-k's overlapped selection). Leave it None when building
+                 a Selection by hand.
 
     ``sel_heads`` is ``kv_heads`` (default: one selection per KV head, the
     union over its query-head group, so each page is read once per group) or
@@ -33,6 +37,7 @@ class Selection:
     pages: torch.Tensor
     counts: torch.Tensor
     tau_hat: Optional[torch.Tensor] = None
+    pending: Optional["Pending"] = field(default=None, repr=False, compare=False)
 
     @property
     def sel_heads(self) -> int:
@@ -41,6 +46,30 @@ class Selection:
     @property
     def width(self) -> int:
         return self.pages.shape[2]
+
+
+@dataclass
+class Pending:
+    """A selection kernel that may still be running (programmatic dependent
+    launch) when the attention after it starts.
+
+    Attributes:
+        counters: int32 [2, batch, sel_heads], zeroed before the selection.
+                  counters[0] reaches 1 once a row's pages and count are
+                  written, so the attention can start on that row without
+                  waiting for the whole selection; counters[1] is for the
+                  attention's own launches (its split programs count in).
+        launch:   kernels._common.launch_count() after the selection's last
+                  launch: only an attention launched next (no other step
+                  launch between) may poll the counters.
+        hold:     the selection's scratch tensors, kept alive with the
+                  Selection: a launch that starts before the selection has
+                  ended must not be given their memory.
+    """
+
+    counters: torch.Tensor
+    launch: int
+    hold: tuple = ()
 
 
 @dataclass

@@ -35,7 +35,7 @@ from entmaxkv import policies as RP  # noqa: E402
 from entmaxkv import scoring as RS  # noqa: E402
 from entmaxkv.gaussian import pooled_moments, solve_tau_hat  # noqa: E402
 from entmaxkv.cache import PagedKVCache  # noqa: E402
-from entmaxkv.types import Selection  # noqa: E402
+from entmaxkv.types import Pending, Selection  # noqa: E402
 from helpers import alibi, random_cache, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -438,8 +438,9 @@ def _spy_rowsel(monkeypatch, tk):
     real = tk.launch_rowsel
 
     def spy(*a, **k):
-        real(*a, **k)
+        out = real(*a, **k)
         calls.append((k.get("cnt"), k.get("nchk", 0)))
+        return out
     monkeypatch.setattr(tk, "launch_rowsel", spy)
     return calls
 
@@ -491,7 +492,12 @@ def test_topk_overlapped(policy, dtype, H, D, P, slopes, lens, monkeypatch):
     assert torch.equal(cnt.cpu(), torch.full((len(lens),), nchk, dtype=torch.int32))
     assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
     assert page_sets(sel) == page_sets(ref)
-    out, _ = K.attend(q, cache, ids, sel, alpha=1.5, scale=0.3, slopes=sl)
+    # every row published as selected, the attention's counters still zero;
+    # the scratch the selection reads kept with it
+    ready = sel.pending.counters
+    assert ready.shape == (2, len(lens), H) and len(sel.pending.hold) == 8
+    assert bool((ready[0] == 1).all()) and bool((ready[1] == 0).all())
+    out, _ = K.attend(q, cache, ids, sel, alpha=1.5, scale=0.3, slopes=sl)  # (its rows polled: POLL_READY)
     want, _ = RA.attend(q, cache, ids, ref, alpha=1.5, scale=0.3, slopes=sl)
     assert rel_err(out, want) < 1e-2
 
@@ -554,6 +560,89 @@ def test_rowsel_poll(published, monkeypatch):
         assert int(counts.view(4)[r]) == k_row and len(set(got.tolist())) == k_row
         want = torch.topk(keys[r, :m], min(k_row, m)).values
         assert torch.equal(torch.sort(keys[r, got]).values, torch.sort(want).values), r
+
+
+class _SpyKernel:
+    """Stands in for a jit kernel: records (name, POLL, NSPLIT, snap()) at
+    each launch, before running the real kernel."""
+
+    def __init__(self, real, name, seen, snap):
+        self.real, self.name, self.seen, self.snap = real, name, seen, snap
+
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            self.seen.append((self.name, k.get("POLL"), k.get("NSPLIT"), self.snap()))
+            return self.real[grid](*a, **k)
+        return launch
+
+
+@pytest.mark.parametrize("alpha,G,finish,published", [
+    (1.0, 1, True, True), (1.5, 1, True, True), (1.5, 1, False, True), (2.0, 2, True, True),
+    (1.5, 1, True, False), (1.0, 1, True, False),
+], ids=["softmax", "entmax-finish", "entmax-3-launches", "gqa", "finish-poll-gives-up",
+        "softmax-poll-gives-up"])
+def test_attend_ready(alpha, G, finish, published, monkeypatch):
+    """attend right after a selection that may still run (Selection.pending,
+    POLL_READY): the split programs wait for their row's counters[0]; with
+    one query head per selection row and two launches they count into
+    counters[1] and the finishing launch (_finish_kernel, or _combine_kernel
+    for softmax) waits for each row's NSPLIT; otherwise (GQA rows, the
+    three entmax launches) counters[1] is left alone. Rows never published
+    (the polls give up after POLL_POLLS = 3 loads; without PDL the
+    selection had ended) give the same output, equal to attend without
+    counters and close to the reference. Nothing polls once another step
+    launch came after the selection (a second attend over the same
+    Selection, or a select between) or without POLL_READY."""
+    A = sys.modules["entmaxkv.kernels.attention"]
+    C = sys.modules["entmaxkv.kernels._common"]
+    monkeypatch.setattr(A, "FINISH", finish)
+    monkeypatch.setattr(A, "POLL_POLLS", 3)
+    monkeypatch.setattr(A, "POLL_MAX_TOKENS", 200)  # (the width here: at most this polls)
+    cache, ids, q, sl = setup([300, 7, 1001], 2, G, 24, 8, torch.float16, seed=11 + G, slopes=True)
+    pol = TopK(200, sinks=1)
+    ref = RP.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    B, S = ref.counts.shape
+    plain, tau0 = K.attend(q, cache, ids, Selection(ref.pages, ref.counts), alpha=alpha, scale=0.3, slopes=sl)
+    seen = []
+    for name in ("_split_kernel", "_finish_kernel", "_combine_kernel", "_solve_kernel"):
+        monkeypatch.setattr(A, name, _SpyKernel(getattr(A, name), name, seen, lambda: ready[1].clone()))
+    ready = torch.zeros(2, B, S, dtype=torch.int32, device=DEV)
+    ready[0] = 1 if published else 0
+    sel = Selection(ref.pages, ref.counts, pending=Pending(ready, C.launch_count()))
+    out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
+    assert torch.equal(out, plain) and torch.equal(tau, tau0)
+    two = G == 1 and (alpha == 1.0 or finish)  # both launches poll
+    assert seen[0][:2] == ("_split_kernel", 2 if two else 1)
+    last = seen[-1]
+    if two:
+        assert last[0] == ("_combine_kernel" if alpha == 1.0 else "_finish_kernel") and last[1] is True
+        assert bool((last[3] == last[2]).all()), last  # every split program counted in
+        assert bool((ready[1] == last[2]).all())
+    else:
+        assert all(not p for _, p, _, _ in seen[1:]) and bool((last[3] == 0).all())
+        assert bool((ready[1] == 0).all())
+    assert bool((ready[0] == (1 if published else 0)).all())
+    want, _ = RA.attend(q, cache, ids, ref, alpha=alpha, scale=0.3, slopes=sl)
+    assert rel_err(out, want) < 1e-2
+    # not again: the attention above was a launch after the selection
+    seen.clear()
+    again, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
+    assert torch.equal(again, plain) and seen[0][:2] == ("_split_kernel", 0)
+    # a select between, POLL_READY off, or a selection wider than
+    # POLL_MAX_TOKENS (25 pages of 8 here): no polling either
+    for case in ("between", "off", "wide"):
+        sel = Selection(ref.pages, ref.counts, pending=Pending(ready, C.launch_count()))
+        if case == "between":
+            K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+        monkeypatch.setattr(A, "POLL_READY", case != "off")
+        monkeypatch.setattr(A, "POLL_MAX_TOKENS", 199 if case == "wide" else 200)
+        seen.clear()
+        again, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
+        assert torch.equal(again, plain) and seen[0][:2] == ("_split_kernel", 0), case
+    monkeypatch.setattr(A, "POLL_READY", True)
+    bad = Selection(ref.pages, ref.counts, pending=Pending(ready[:1], C.launch_count()))
+    with pytest.raises(ValueError, match="pending"):
+        K.attend(q, cache, ids, bad, alpha=alpha, scale=0.3)
 
 
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
@@ -968,13 +1057,18 @@ def test_decode_dispatches_to_kernels():
 def test_pdl_kernels_wait_first():
     """A kernel launched with programmatic dependent launch may start before
     its predecessor finishes: every kernel taking the PDL switch must call
-    pdl_start(PDL) (the wait) before anything else, except _rowsel_kernel's
-    overlapped form, which must wait for its batch row's counter (and take
-    pdl_start otherwise)."""
+    pdl_start(PDL) (the wait) before anything else, except the polling
+    forms (_rowsel_kernel after the keys pass, the attention's split and
+    finishing kernels after the selection), which, after nothing but their
+    program ids, must poll (poll_start) with no whole-launch wait, and take
+    pdl_start otherwise."""
     import inspect
+    import re
 
     import triton
 
+    pid = r"i_\w+ = tl\.program_id\(\d\)(\.to\(tl\.int64\))?"
+    polling = {"_rowsel_kernel", "_split_kernel", "_finish_kernel", "_combine_kernel"}
     found = 0
     for name in ("topk", "attention", "gaussian", "certified"):
         mod = importlib.import_module(f"entmaxkv.kernels.{name}")
@@ -984,11 +1078,16 @@ def test_pdl_kernels_wait_first():
             if is_kernel and "PDL" in fn.arg_names:
                 src = inspect.getsource(fn.fn)
                 body = src.split('"""')[-1] if src.count('"""') >= 2 else src.split("):", 1)[1]
-                lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-                if attr == "_rowsel_kernel":
-                    poll = body.split("else:")[0]
-                    assert lines[0] == "if POLL:" and "wait_count(" in poll and "gdc_wait" not in poll, lines[:3]
-                    assert lines[lines.index("else:") + 1] == "pdl_start(PDL)"
+                lines = [ln.split("#")[0].strip() for ln in body.splitlines()]  # (no "#" in kernel strings)
+                lines = [ln for ln in lines if ln]
+                if attr in polling:
+                    k = next(i for i, ln in enumerate(lines) if ln.startswith("if POLL"))
+                    assert all(re.fullmatch(pid + "|if ROWS_FIRST:|else:", ln) for ln in lines[:k]), (attr, lines[:k])
+                    branch = lines[k + 1:lines.index("else:", k)]
+                    j = next(i for i, ln in enumerate(branch) if ln.startswith("poll_start("))
+                    assert all(re.fullmatch(pid, ln) for ln in branch[:j]), (attr, branch)
+                    assert not any("gdc_wait" in ln for ln in branch), (attr, branch)
+                    assert lines[lines.index("else:", k) + 1] == "pdl_start(PDL)", attr
                 else:
                     assert lines[0] == "pdl_start(PDL)", (attr, lines[0])
                 found += 1

@@ -31,10 +31,24 @@ PDL = True
 ATOMIC_SEM = tl.constexpr("relaxed")
 
 
+# Calls of launch_opts so far in this process: every function that launches
+# step kernels takes its options there before launching. A Selection's
+# pending counters are polled only by an attention with no such call since
+# the selection's own (launch_count, types.Pending).
+_LAUNCHES = 0
+
+
+def launch_count() -> int:
+    """Calls of launch_opts so far (see _LAUNCHES)."""
+    return _LAUNCHES
+
+
 def launch_opts(device: torch.device) -> dict:
     """Launch keywords of a step kernel: its PDL constexpr and, when on,
     Triton's ``launch_pdl`` option (the two must agree: a PDL launch whose
     kernel does not wait could read its predecessor's output early)."""
+    global _LAUNCHES
+    _LAUNCHES += 1
     on = (PDL and gdc_wait is not None and not interpreting() and device.type == "cuda"
           and _capability(device)[0] >= 9)
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
@@ -61,6 +75,46 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait_count(cnt_ptr, target, POLLS: tl.constexpr, PDL: tl.constexpr):
+    """Wait until the int32 counter at cnt_ptr reaches target: volatile
+    loads (no read-modify-write traffic while the producers run), then one
+    acquire, after which what they stored before raising it is visible.
+    After POLLS loads short of it, wait for the whole previous grid instead
+    (with PDL; without, that grid had ended before this one began), so the
+    result is never read early."""
+    c = tl.load(cnt_ptr, volatile=True)
+    k = 0
+    while (c < target) & (k < POLLS):
+        c = tl.load(cnt_ptr, volatile=True)
+        k += 1
+    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    if PDL:
+        if c < target:
+            gdc_wait()
+
+
+@triton.jit
+def poll_start(cnt_ptr, target, POLLS: tl.constexpr, PDL: tl.constexpr):
+    """First statement of a kernel that waits for its own row's producers
+    instead of the whole previous grid (pdl_start's other form): let the
+    next launch be scheduled, then wait_count. Sound only where the
+    producers are programs of earlier launches that have all begun before
+    this one was scheduled (a PDL launch is scheduled once every program of
+    the launch before has let it), so the polls always end."""
+    if PDL:
+        gdc_launch_dependents()
+    wait_count(cnt_ptr, target, POLLS, PDL)
+
+
+@triton.jit
+def publish(cnt_ptr):
+    """Raise the int32 counter at cnt_ptr by one once every thread of this
+    program has stored its results (a barrier, then one release atomic)."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
 
 
 def next_pow2(x: int) -> int:

@@ -54,10 +54,13 @@ from ._common import (
     entmax_prob,
     interpreting,
     kv_strides,
+    launch_count,
     launch_opts,
     next_pow2,
     num_sms,
     pdl_start,
+    poll_start,
+    publish,
 )
 
 # Iterations of the general-alpha Halley loop and Newton polish (reference: entmax.py).
@@ -129,6 +132,32 @@ FINISH_BLOCK = 256
 # sums stay separate unless FUSED_SUMS_INTERPRETED (tests) asks for them.
 FUSED_SUMS = True
 FUSED_SUMS_INTERPRETED = False
+# An attention launched right after a selection that may still be running
+# (Selection.pending: the top-k's overlapped selection, whose last rows are
+# still being selected when this launch is scheduled): each split program
+# waits for its own row's counters[0] instead of the whole selection launch,
+# so most rows are attended while the last ones are selected; with one
+# query head per selection row and two launches (the split pass, then
+# _finish_kernel or _combine_kernel) the split programs also count into
+# counters[1] and each finishing program waits for its row's NSPLIT instead
+# of the whole split pass. Only when no other step launch came between
+# (Pending.launch): these programs write before the launch before them has
+# ended, which is sound only where every buffer that launch (or one still
+# running before it) uses is alive, so no allocation of this call can take
+# its memory (Pending.hold keeps the selection's own). POLL_POLLS: loads
+# short of the target before a program waits for the whole previous launch
+# instead. False: always wait for whole launches.
+POLL_READY = True
+# ... with the split grid (NSPLIT, rows): programs are scheduled row by row,
+# as rows are selected, rather than split 0 of every row first (whose
+# programs for rows not yet selected would hold the slots).
+POLL_ROWS_FIRST = True
+# ... for selections of at most this many tokens per row (the width W * P):
+# for wider ones the rows attended early slow the last rows' selection more
+# than they save (paper 8 x 128k / 8 x 512k top-k 4096 0.1207 / 0.2761 ->
+# 0.1245 / 0.2812 ms polling; top-k 1024 gains, results/poll_ready/).
+POLL_MAX_TOKENS = 2048
+POLL_POLLS = 1 << 20
 
 
 # ---------------------------------------------------------------------------
@@ -464,7 +493,7 @@ def _tile_pages(t0, o_tt, t_hi, n, p_pages, p_bt, P: tl.constexpr, DENSE: tl.con
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ids_ptr, pages_ptr, counts_ptr, slopes_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
-    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr,
+    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, rdy_ptr, done_ptr,
     scale, am1, beta,
     stride_qb, stride_qh,
     stride_kp, stride_kh, stride_kr,
@@ -477,7 +506,8 @@ def _split_kernel(
     DENSE: tl.constexpr, SOFTMAX: tl.constexpr, HAS_ALIBI: tl.constexpr,
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, LB_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, PDL: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, ROWS_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (batch row, selection head, split): scores of a share of the kept tokens.
 
@@ -494,10 +524,23 @@ def _split_kernel(
 
     LOOP_STAGES: num_stages of the tile loop's tl.range (None: Triton does
     not software-pipeline a loop without tl.dot; DENSE_ENTMAX_PIPE).
+
+    POLL (POLL_READY): 1, wait for rdy[row] (the selection's counters[0])
+    to reach 1 rather than for the whole previous launch; 2, and at the end
+    raise done[row] (counters[1]) by one. ROWS_FIRST: the grid is (NSPLIT,
+    rows), so programs are scheduled row by row, in the order rows are
+    selected.
     """
-    pdl_start(PDL)
-    i_r = tl.program_id(0)
-    i_s = tl.program_id(1)
+    if ROWS_FIRST:
+        i_r = tl.program_id(1)
+        i_s = tl.program_id(0)
+    else:
+        i_r = tl.program_id(0)
+        i_s = tl.program_id(1)
+    if POLL > 0:
+        poll_start(rdy_ptr + i_r, 1, POLLS, PDL)
+    else:
+        pdl_start(PDL)
     i_b = i_r // S
     i_sh = i_r % S
     h0 = i_sh * NG  # first query head of this selection row
@@ -663,6 +706,8 @@ def _split_kernel(
             tl.store(cn_ptr + o_r, b_cnt, mask=m_h)
             tl.store(clb_ptr + o_r, b_lb[None], mask=m_h)
             tl.store(cm_ptr + o_r, tl.max(b_top, axis=0)[None], mask=m_h)
+    if POLL == 2:
+        publish(done_ptr + i_r)
 
 
 @triton.jit
@@ -1007,7 +1052,7 @@ def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, tau, beta, CAP,
 
 @triton.jit
 def _finish_kernel(
-    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr, v_ptr, out_ptr,
+    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr, v_ptr, out_ptr, done_ptr,
     alpha, beta, CAP,
     stride_vp, stride_vh, stride_vr, stride_ob, stride_oh,
     HQ, G,
@@ -1015,7 +1060,7 @@ def _finish_kernel(
     P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, MODE: tl.constexpr,
-    FUSED: tl.constexpr, PDL: tl.constexpr,
+    FUSED: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
 ):
     """The work of _solve_kernel, _vacc_kernel and _combine_kernel for one
     query head in one program.
@@ -1027,9 +1072,13 @@ def _finish_kernel(
     the row's own, already read, candidate lists (cumsum positions), and the
     V rows are gathered in blocks of BLOCK_C support tokens, not over every
     candidate; their sum is the output (entmax needs no rescaling across
-    splits)."""
-    pdl_start(PDL)
+    splits). POLL: wait for done[row] to reach NSPLIT (the split programs
+    counted in, POLL_READY) rather than for the whole split pass."""
     i_r = tl.program_id(0).to(tl.int64)  # b * HQ + query head
+    if POLL:
+        poll_start(done_ptr + i_r, NSPLIT, POLLS, PDL)
+    else:
+        pdl_start(PDL)
     o_s = tl.arange(0, NS_P2)
     lb, m, n_s, max_n, total, t_init = _row_lists(cn_ptr, clb_ptr, cm_ptr, tinit_ptr, i_r, o_s,
                                                   NSPLIT, HAS_INIT)
@@ -1082,13 +1131,18 @@ def _finish_kernel(
 
 @triton.jit
 def _combine_kernel(
-    pm_ptr, pl_ptr, pacc_ptr, tau_ptr, out_ptr,
+    pm_ptr, pl_ptr, pacc_ptr, tau_ptr, out_ptr, done_ptr,
     stride_ob, stride_oh, HQ,
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    SOFTMAX: tl.constexpr, PDL: tl.constexpr,
+    SOFTMAX: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
+    """Merge a row's NSPLIT partials into its output (softmax: by their
+    maxima and sums; entmax: a sum). POLL as _finish_kernel's."""
     i_r = tl.program_id(0).to(tl.int64)
+    if POLL:
+        poll_start(done_ptr + i_r, NSPLIT, POLLS, PDL)
+    else:
+        pdl_start(PDL)
     o_s = tl.arange(0, NS_P2)
     m_s = o_s < NSPLIT
     o_d = tl.arange(0, BLOCK_D)
@@ -1132,9 +1186,11 @@ def _check_inputs(q: torch.Tensor, cache) -> None:
 
 def _run(
     q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
-    alpha: float, scale: float, slopes, tau_init, want_out: bool = True,
+    alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None,
 ):
-    """Launch the split pass and the finishing kernels; returns (out or None, tau)."""
+    """Launch the split pass and the finishing kernels; returns (out or None, tau).
+    ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
+    (POLL_READY)."""
     _check_inputs(q, cache)
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
@@ -1184,11 +1240,20 @@ def _run(
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
     lb_mode = LB_MODE[cfg["PATH"]] if newton <= 1 else 0  # the fused step takes one Newton step at most
     opts = launch_opts(dev)
+    # POLL_READY: the split programs wait for their own rows; with one query
+    # head per row and two launches (split, then finish or combine) the
+    # second waits for its rows' split programs too
+    poll = 0
+    if POLL_READY and ready is not None and not dense and W * P <= POLL_MAX_TOKENS:
+        poll = 2 if (S == HQ and want_out and (softmax or finish)) else 1
+    rdy = ready[0] if poll else tau
+    done = ready[1] if poll == 2 else tau
 
-    _split_kernel[(B * S, NSPLIT)](
+    rows_first = bool(poll) and POLL_ROWS_FIRST and B * S < 65536  # (a grid's y extent)
+    _split_kernel[(NSPLIT, B * S) if rows_first else (B * S, NSPLIT)](
         qk, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
         pm, pl, pacc,
-        cx, ci, cn, clb, cm,
+        cx, ci, cn, clb, cm, rdy, done,
         float(scale), float(alpha - 1.0), float(beta),
         qk.stride(0), qk.stride(1),
         skp, skh, skr, svp, svh, svr,
@@ -1199,7 +1264,8 @@ def _run(
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
-        LOOP_STAGES=cfg["LOOP_STAGES"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
+        LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=POLL_POLLS, ROWS_FIRST=rows_first,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
         tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
@@ -1208,7 +1274,7 @@ def _run(
             out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
             block_d = next_pow2(D)
             _finish_kernel[(R,)](
-                cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out,
+                cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out, done,
                 float(alpha), float(beta), CAP,
                 svp, svh, svr, out.stride(0), out.stride(1),
                 HQ, G,
@@ -1216,7 +1282,7 @@ def _run(
                 P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(FINISH_BLOCK, 8192 // block_d)),
                 BETA_KIND=bk, HAS_INIT=tau_init is not None,
                 HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
-                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2, FUSED=fused,
+                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2, FUSED=fused, POLL=poll == 2, POLLS=POLL_POLLS,
                 num_warps=FINISH_WARPS[0 if fits else 1], **opts,
             )
             return out, tau.view(B, HQ)
@@ -1243,9 +1309,10 @@ def _run(
         )
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
     _combine_kernel[(R,)](
-        pm, pl, pacc, tau, out,
+        pm, pl, pacc, tau, out, done,
         out.stride(0), out.stride(1), HQ,
         NSPLIT=NSPLIT, NS_P2=NS_P2, D=D, BLOCK_D=next_pow2(D), SOFTMAX=softmax,
+        POLL=poll == 2, POLLS=POLL_POLLS,
         num_warps=1 if D <= 64 else 2, **opts,
     )
     return out, tau.view(B, HQ)
@@ -1282,7 +1349,9 @@ def attend(
         seq_ids: int32/int64 [batch] cache slots, on the cache device.
         sel: Selection; pages int32 [batch, S, W] logical page ids (any order,
             distinct, first counts[b, s] valid), counts int32 [batch, S],
-            S = kv_heads (one selection per KV group) or q_heads.
+            S = kv_heads (one selection per KV group) or q_heads. When it
+            comes from the launch just before (``pending``), each row starts
+            as soon as it is selected (POLL_READY).
         alpha: >= 1 (1 softmax, 1.5, 2 fast paths; any alpha > 1 works).
         scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
         tau_init: optional float [batch, q_heads] warm start (used, clamped
@@ -1306,8 +1375,15 @@ def attend(
     counts = counts.contiguous()
     if pages.stride(-1) != 1:
         pages = pages.contiguous()
+    ready = None
+    if sel.pending is not None and sel.pending.launch == launch_count():  # nothing launched since it
+        ready = sel.pending.counters
+        if (ready.dtype != torch.int32 or tuple(ready.shape) != (2, B, S) or not ready.is_contiguous()
+                or ready.device != q.device):
+            raise ValueError(f"sel: pending.counters must be a contiguous int32 [2, {B}, {S}] tensor on "
+                             f"{q.device}, got {ready.dtype} {tuple(ready.shape)} on {ready.device}")
     return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,
-                alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init)
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init, ready=ready)
 
 
 def dense_attend(

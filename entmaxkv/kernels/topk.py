@@ -52,9 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import Selection
-from ._common import (as_slopes, cdiv, gdc_launch_dependents, gdc_wait, interpreting, launch_opts, next_pow2,
-                      num_sms, pdl_start, store_b32)
+from ..types import Pending, Selection
+from ._common import (as_slopes, cdiv, interpreting, launch_count, launch_opts, next_pow2, num_sms, pdl_start,
+                      poll_start, publish, store_b32)
 from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
@@ -451,10 +451,8 @@ def _keys_kernel(
     _keys_chunk(q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr, i_b, i_c,
                 scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, MK, sinks, window, k_pages,
                 H, HG, P, D, BLOCK_D, BLOCK_M, NSUB, HAS_ALIBI, WRITE_UB, AS_IS)
-    if PUBLISH:
-        # every thread's keys stored before the release that publishes them
-        tl.debug_barrier()
-        tl.atomic_add(cnt_ptr + i_b, 1, sem="release", scope="gpu")
+    if PUBLISH:  # every thread's keys stored before the release that publishes them
+        publish(cnt_ptr + i_b)
 
 
 @triton.jit
@@ -820,25 +818,6 @@ def _select_row(
 
 
 @triton.jit
-def wait_count(cnt_ptr, target, POLLS: tl.constexpr, PDL: tl.constexpr):
-    """Wait until the int32 counter at cnt_ptr reaches target: volatile
-    loads (no read-modify-write traffic while the producers run), then one
-    acquire, after which what they stored before raising it is visible.
-    After POLLS loads short of it, wait for the whole previous grid instead
-    (with PDL; without, that grid had ended before this one began), so the
-    result is never read early."""
-    c = tl.load(cnt_ptr, volatile=True)
-    k = 0
-    while (c < target) & (k < POLLS):
-        c = tl.load(cnt_ptr, volatile=True)
-        k += 1
-    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    if PDL:
-        if c < target:
-            gdc_wait()
-
-
-@triton.jit
 def _row_gmax(p_row, p_gmax, NKP, GS: tl.constexpr, GT: tl.constexpr):
     """The largest key of each of the NKP groups of GS keys at p_row (keys
     other programs stored: read past L1), into p_gmax[0:NKP]; GT groups per
@@ -850,12 +829,12 @@ def _row_gmax(p_row, p_gmax, NKP, GS: tl.constexpr, GT: tl.constexpr):
 
 @triton.jit
 def _rowsel_kernel(
-    ids_ptr, lens_ptr, key_ptr, gmax_ptr, glist_ptr, ck_ptr, cp_ptr, pages_ptr, counts_ptr, cnt_ptr,
+    ids_ptr, lens_ptr, key_ptr, gmax_ptr, glist_ptr, ck_ptr, cp_ptr, pages_ptr, counts_ptr, cnt_ptr, ready_ptr,
     MK, NKP, W, sinks, window, k_pages, NCHK,
     S: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, NKP_P2: tl.constexpr,
     GB: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, ONE_G: tl.constexpr, NT: tl.constexpr,
     FEW: tl.constexpr, E: tl.constexpr, POLL: tl.constexpr, GT: tl.constexpr, POLLS: tl.constexpr,
-    PDL: tl.constexpr,
+    READY: tl.constexpr, PDL: tl.constexpr,
 ):
     """A whole row's selection in one program, from its key table and group
     maxima (_gmax_kernel): lb as _lb_kernel finds it (E = 0: the same groups
@@ -877,15 +856,16 @@ def _rowsel_kernel(
     POLL (the overlapped selection): a PDL launch that does not wait for the
     keys pass: it waits for cnt[b] to reach NCHK (every chunk of batch row
     b published), then takes the row's group maxima (GT groups per step)
-    itself and reads the keys past L1."""
+    itself and reads the keys past L1.
+    READY: then raise ready[row] (int32, zeroed by the caller) to 1 once the
+    row's pages and count are stored, for an attention launch that polls
+    it (attention.POLL_READY) instead of waiting for this whole grid."""
     if POLL:
         # not pdl_start: this launch may begin before the keys pass ends (it is
         # scheduled only once every keys program has passed its own pdl_start, so
         # every launch before that pass has ended); it waits for its batch row
-        if PDL:  # let the attention launch be scheduled; it waits for this grid to end
-            gdc_launch_dependents()
         i_p = tl.program_id(0).to(tl.int64)
-        wait_count(cnt_ptr + i_p // S, NCHK, POLLS, PDL)
+        poll_start(cnt_ptr + i_p // S, NCHK, POLLS, PDL)
         _row_gmax(key_ptr + i_p * MK, gmax_ptr + i_p * NKP, NKP, GS, GT)
     else:
         pdl_start(PDL)
@@ -897,6 +877,8 @@ def _rowsel_kernel(
                         cp_ptr + i_r * CAP, pages_ptr + i_r * W, NKP, k_row,
                         GS, NKP_P2, GB, CAP, SMALL, ONE_G, NT, FEW, E, ".cg" if POLL else "")
     tl.store(counts_ptr + i_r, n_out)
+    if READY:  # the row's pages and count, for an attention launch that polls it
+        publish(ready_ptr + i_r)
 
 
 # ---------------------------------------------------------------------------
@@ -988,14 +970,18 @@ def rowsel_plan(MK: int, CH: int, W: int) -> Tuple[int, int, dict]:
 
 def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
                   pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
-                  P: int, *, cnt: Optional[torch.Tensor] = None, nchk: int = 0) -> None:
+                  P: int, *, cnt: Optional[torch.Tensor] = None, nchk: int = 0,
+                  ready: Optional[torch.Tensor] = None) -> tuple:
     """A whole selection from a key table: _gmax_kernel, then one
     _rowsel_kernel program per row. keys: int32 [B * S * MK] (row b * S + s,
     INT32_MIN past the row's pages); ids: int32 [B] cache slots; pages /
     counts: the Selection's int32 [B, S, W] / [B, S], written here.
     ``cnt``: the keys pass's int32 [B] counters (launch_keys) when it is
     still running: each program waits for its batch row's to reach ``nchk``
-    and takes the row's group maxima itself (no _gmax_kernel)."""
+    and takes the row's group maxima itself (no _gmax_kernel). ``ready``:
+    int32 [B * S] zeros, or None: each row's entry is raised to 1 once its
+    pages and count are stored (types.Pending). Returns the launch's scratch
+    tensors (Pending.hold)."""
     B, S, W = pages.shape
     opts = launch_opts(keys.device)
     groups, NKP, rp = rowsel_plan(MK, CH, W)
@@ -1008,10 +994,12 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     cp = torch.empty_like(ck)
     _rowsel_kernel[(B * S,)](
         ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts, cnt if cnt is not None else counts,
-        MK, NKP, W, sinks, window, k_pages, nchk,
-        S=S, P=P, NT=ROWSEL_NT, E=ROWSEL_E, POLL=cnt is not None, POLLS=OVERLAP_POLLS, **rp,
+        ready if ready is not None else counts, MK, NKP, W, sinks, window, k_pages, nchk,
+        S=S, P=P, NT=ROWSEL_NT, E=ROWSEL_E, POLL=cnt is not None, POLLS=OVERLAP_POLLS, READY=ready is not None,
+        **rp,
         num_warps=ROWSEL_WARPS or (8 if B * S <= num_sms(keys.device) else 4), **opts,
     )
+    return gmax, glist, ck, cp
 
 
 def topk_width(M: int, page_size: int, budget: int, sinks: int, window: int) -> Tuple[int, int]:
@@ -1046,7 +1034,8 @@ def select_topk(
             are written there too (the certified policy's safe bound).
     Returns:
         Selection(pages int32 [batch, S, W], counts int32 [batch, S]) with
-        W = min(M, max(budget // P, 1 + sinks + window)); pages unsorted.
+        W = min(M, max(budget // P, 1 + sinks + window)); pages unsorted;
+        from the overlapped selection also ``pending`` (types.Pending).
     """
     q = prep_query(q)
     B, HQ, D = q.shape
@@ -1074,14 +1063,22 @@ def select_topk(
     # the overlapped selection (use_overlap) publishes the keys per batch row; not with the
     # certified bounds, which later launches read (they wait for the selection, not the keys pass)
     overlap = prefilter and not write_ub and use_overlap(B, W, MK, bool(opts["PDL"]))
-    cnt = torch.zeros(B, dtype=torch.int32, device=dev) if overlap else None
+    # its counters, in one zero fill: the keys pass's per batch row, then
+    # Pending.counters [2, B, S] (rows selected; the attention's own)
+    cnt = torch.zeros(B + 2 * B * S, dtype=torch.int32, device=dev) if overlap else None
+    ready = cnt[B:].view(2, B, S) if overlap else None
     if all_heads:
         kp = launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
-                         has_alibi=slopes is not None, cnt=cnt)
+                         has_alibi=slopes is not None, cnt=cnt[:B] if overlap else None)
     if overlap or (prefilter and use_rowsel(W, MK, B * S, num_sms(dev))):
-        launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window), k_pages, P,
-                      cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0)
-        return Selection(pages, counts)
+        scratch = launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window),
+                                k_pages, P, cnt=cnt[:B] if overlap else None,
+                                nchk=cdiv(MK, kp["KCH"]) if overlap else 0,
+                                ready=ready[0].reshape(-1) if overlap else None)
+        # (overlapped: the attention may start while the keys pass and this
+        # selection still read q, the slopes, ids and the key table)
+        pending = Pending(ready, launch_count(), (q, sl, ids, keys) + scratch) if overlap else None
+        return Selection(pages, counts, pending=pending)
     if NCH > 1:
         ck = torch.empty(B * S * NCH * W, dtype=torch.int32, device=dev)
         cp = torch.empty_like(ck)
