@@ -126,9 +126,11 @@ def check_dense(K, report, name, q, cache, ids, alpha, scale, slopes):
 
 
 def check_overlapped(K, report, dims, replays=50):
-    """The overlapped top-k step (batch >= 2, one query head per KV head:
-    _keys_kernel raising a counter per batch row, _rowsel_kernel polling it
-    and publishing Selection.ready, the attention polling that per row):
+    """The top-k step through _rowsel_kernel, which publishes each row for
+    the attention to poll (Selection.pending), overlapped with the keys pass
+    (batch >= 2, rows of at most 32768 pages: _keys_kernel raising a
+    counter per batch row, _rowsel_kernel polling it) or not (batch 1, long
+    rows):
     pages equal to the reference policy's, the output close to the float64
     reference, and a CUDA graph of the step replayed ``replays`` times with
     every replay's output bit-equal to the eager step's (a read before its
@@ -142,6 +144,9 @@ def check_overlapped(K, report, dims, replays=50):
         ([32768] * 8, 24, 32, 16, torch.float16, False, RP.TopK(4096, sinks=1, window=2), (1.5, 2.0)),
         ([20001, 5, 9000, 17], 6, 64, 8, torch.bfloat16, True, RP.TopK(512, sinks=2, window=1), (1.0, 1.3)),
         ([7000, 12345, 33], 4, 128, 64, torch.float32, False, RP.TopK(2048), (1.5, 1.0)),
+        # not overlapped (batch 1; rows past OVERLAP_MAX_KEYS): _gmax_kernel zeroes the counters
+        ([300000], 24, 32, 16, torch.float16, False, RP.TopK(1024), (1.0, 1.5)),
+        ([600000, 250001], 4, 64, 16, torch.bfloat16, True, RP.TopK(1024, sinks=1, window=2), (2.0, 1.0)),
     ]
     for i, (lens, H, D, P, dtype, alibi, pol, alphas) in enumerate(shapes):
         cache, ids, q = make(lens, H, 1, D, P, dtype, seed=100 + i)
@@ -156,8 +161,8 @@ def check_overlapped(K, report, dims, replays=50):
             eo, etau = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes)
             ro, _ = RA.attend(q.double(), cache, ids, rsel, alpha=alpha, scale=scale, slopes=slopes)
             e = rel(eo, ro)
-            overlapped = sel.pending is not None
-            zero = overlapped and bool((sel.pending.counters[0] == 1).all())
+            pending = sel.pending is not None
+            zero = pending and bool((sel.pending.counters[0] == 1).all())
 
             def step():
                 s_ = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
@@ -169,8 +174,8 @@ def check_overlapped(K, report, dims, replays=50):
                 g.replay()
                 bad += int(not torch.equal(go, eo))
             torch.cuda.synchronize()
-            report(f"overlapped a{alpha} {tag}", overlapped and zero and same and e < TOL[dtype] and bad == 0,
-                   f"overlapped {overlapped} rows published {zero} sets {same} rel {e:.1e} "
+            report(f"rowsel top-k a{alpha} {tag}", pending and zero and same and e < TOL[dtype] and bad == 0,
+                   f"pending {pending} rows published {zero} sets {same} rel {e:.1e} "
                    f"replays differing {bad}/{replays}")
             del g
 

@@ -26,7 +26,7 @@ class Selection:
                  entmax threshold (a warm start for the exact solve).
         pending: Pending or None: set by a selection whose last kernel may
                  still be running when the next launch starts (the Triton
-                 top-k's overlapped selection). Leave it None when building
+                 top-k through _rowsel_kernel). Leave it None when building
                  a Selection by hand.
 
     ``sel_heads`` is ``kv_heads`` (default: one selection per KV head, the

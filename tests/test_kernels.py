@@ -562,6 +562,31 @@ def test_rowsel_poll(published, monkeypatch):
         assert torch.equal(torch.sort(keys[r, got]).values, torch.sort(want).values), r
 
 
+def test_rowsel_publishes():
+    """The _rowsel_kernel path without the keys-pass overlap (batch 1, or
+    rows fewer than SMs) publishes its rows too: _gmax_kernel zeroes the
+    Pending counters (garbage before), _rowsel_kernel raises counters[0] to
+    1 per row, and the attention launched next polls them, its split
+    programs counting into counters[1]; the output equals the attention
+    over the same pages without counters."""
+    tk = sys.modules["entmaxkv.kernels.topk"]
+    keys = torch.randint(-1000, 1000, (3 * 64,), dtype=torch.int32, device=DEV)
+    ready = torch.full((2, 3), 7, dtype=torch.int32, device=DEV)
+    opts = tk.launch_opts(keys.device)
+    gmax, NKP, gs = tk.launch_gmax(keys, 3, 64, 16, 4, opts, ready=ready)
+    assert bool((ready == 0).all())
+    assert torch.equal(gmax.view(3, NKP).cpu(), keys.view(3, NKP, gs).amax(dim=2).cpu())
+    cache, ids, q, _ = setup([700, 3, 1100], 2, 1, 16, 4, torch.float16, seed=5)
+    sel = K.select(TopK(300), q, cache, ids, alpha=1.0, scale=0.3)
+    counters = sel.pending.counters
+    assert counters.shape == (2, 3, 2) and bool((counters[0] == 1).all()) and bool((counters[1] == 0).all())
+    out, _ = K.attend(q, cache, ids, sel, alpha=1.0, scale=0.3)
+    n = int(counters[1, 0, 0])
+    assert n >= 1 and bool((counters[1] == n).all())  # every split program of every row counted in
+    plain, _ = K.attend(q, cache, ids, Selection(sel.pages, sel.counts), alpha=1.0, scale=0.3)
+    assert torch.equal(out, plain)
+
+
 class _SpyKernel:
     """Stands in for a jit kernel: records (name, POLL, NSPLIT, snap()) at
     each launch, before running the real kernel."""

@@ -133,8 +133,9 @@ FINISH_BLOCK = 256
 FUSED_SUMS = True
 FUSED_SUMS_INTERPRETED = False
 # An attention launched right after a selection that may still be running
-# (Selection.pending: the top-k's overlapped selection, whose last rows are
-# still being selected when this launch is scheduled): each split program
+# (Selection.pending: the top-k through _rowsel_kernel, overlapped with the
+# keys pass, whose last rows are still being selected when this launch is
+# scheduled, or not): each split program
 # waits for its own row's counters[0] instead of the whole selection launch,
 # so most rows are attended while the last ones are selected; with one
 # query head per selection row and two launches (the split pass, then

@@ -456,16 +456,23 @@ def _keys_kernel(
 
 
 @triton.jit
-def _gmax_kernel(key_ptr, gmax_ptr, MK, NKP, GS: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr):
+def _gmax_kernel(key_ptr, gmax_ptr, ready_ptr, MK, NKP, NR, GS: tl.constexpr, GB: tl.constexpr,
+                 ZERO: tl.constexpr, PDL: tl.constexpr):
     """The largest key of each group of GS pages of a key-table row
     (gmax[row * NKP + group], NKP = MK // GS groups): the pre-filter's group
     maxima. A pass of its own: carrying the maxima through _keys_kernel's
     loop measured 1.25x slower on that pass (146.6 vs 117.2 us at 1 x 2M),
     and holding a whole row per program (to find lb there too) 12.9 us where
-    this pass and _lb_kernel take 3.4 + 4.8 us (8 x 128k)."""
+    this pass and _lb_kernel take 3.4 + 4.8 us (8 x 128k). ZERO: the first
+    program of row r also zeroes ready[r] and ready[NR + r] (the row's
+    Pending.counters, which _rowsel_kernel raises after this launch)."""
     pdl_start(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     _gmax_block(key_ptr + i_r * MK, gmax_ptr + i_r * NKP, tl.program_id(1) * GB + tl.arange(0, GB), NKP, GS, "")
+    if ZERO:
+        if tl.program_id(1) == 0:
+            tl.store(ready_ptr + i_r, 0)
+            tl.store(ready_ptr + NR + i_r, 0)
 
 
 @triton.jit
@@ -921,14 +928,17 @@ def gmax_groups(MK: int, CH: int, groups: int) -> Tuple[int, int]:
     return MK // gs, gs
 
 
-def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, opts: dict):
+def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, opts: dict,
+                ready: Optional[torch.Tensor] = None):
     """_gmax_kernel over a [rows, MK] key table: the largest key of each of
-    about ``groups`` groups per row (gmax_groups).
+    about ``groups`` groups per row (gmax_groups); ``ready``: int32 [2, rows]
+    counters to zero on the way, or None.
     Returns (gmax int32 [rows * NKP], NKP, group size)."""
     NKP, gs = gmax_groups(MK, CH, groups)
     gb = max(1, GMAX_KEYS // gs)
     gmax = torch.empty(rows * NKP, dtype=torch.int32, device=keys.device)
-    _gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, MK, NKP, GS=gs, GB=gb, num_warps=GMAX_WARPS, **opts)
+    _gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, ready if ready is not None else gmax, MK, NKP, rows,
+                                        GS=gs, GB=gb, ZERO=ready is not None, num_warps=GMAX_WARPS, **opts)
     return gmax, NKP, gs
 
 
@@ -979,14 +989,15 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     ``cnt``: the keys pass's int32 [B] counters (launch_keys) when it is
     still running: each program waits for its batch row's to reach ``nchk``
     and takes the row's group maxima itself (no _gmax_kernel). ``ready``:
-    int32 [B * S] zeros, or None: each row's entry is raised to 1 once its
-    pages and count are stored (types.Pending). Returns the launch's scratch
-    tensors (Pending.hold)."""
+    types.Pending.counters, int32 [2, B, S] (zeros already with ``cnt``;
+    else _gmax_kernel zeroes them), or None: each row's counters[0] entry
+    is raised to 1 once its pages and count are stored. Returns the
+    launch's scratch tensors (Pending.hold)."""
     B, S, W = pages.shape
     opts = launch_opts(keys.device)
     groups, NKP, rp = rowsel_plan(MK, CH, W)
     if cnt is None:
-        gmax = launch_gmax(keys, B * S, MK, CH, groups, opts)[0]
+        gmax = launch_gmax(keys, B * S, MK, CH, groups, opts, ready=ready)[0]
     else:
         gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=keys.device)
     glist = torch.empty(B * S * rp["NKP_P2"], dtype=torch.int32, device=keys.device)
@@ -1035,7 +1046,7 @@ def select_topk(
     Returns:
         Selection(pages int32 [batch, S, W], counts int32 [batch, S]) with
         W = min(M, max(budget // P, 1 + sinks + window)); pages unsorted;
-        from the overlapped selection also ``pending`` (types.Pending).
+        through _rowsel_kernel also ``pending`` (types.Pending).
     """
     q = prep_query(q)
     B, HQ, D = q.shape
@@ -1063,22 +1074,25 @@ def select_topk(
     # the overlapped selection (use_overlap) publishes the keys per batch row; not with the
     # certified bounds, which later launches read (they wait for the selection, not the keys pass)
     overlap = prefilter and not write_ub and use_overlap(B, W, MK, bool(opts["PDL"]))
-    # its counters, in one zero fill: the keys pass's per batch row, then
-    # Pending.counters [2, B, S] (rows selected; the attention's own)
+    rowsel = overlap or (prefilter and use_rowsel(W, MK, B * S, num_sms(dev)))
+    # _rowsel_kernel publishes each row (Pending.counters [2, B, S]: rows
+    # selected, the attention's own). Overlapped, the counters share one zero
+    # fill with the keys pass's per batch row; else _gmax_kernel zeroes them.
     cnt = torch.zeros(B + 2 * B * S, dtype=torch.int32, device=dev) if overlap else None
-    ready = cnt[B:].view(2, B, S) if overlap else None
+    if overlap:
+        ready = cnt[B:].view(2, B, S)
+    else:
+        ready = torch.empty(2, B, S, dtype=torch.int32, device=dev) if rowsel else None
     if all_heads:
         kp = launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
                          has_alibi=slopes is not None, cnt=cnt[:B] if overlap else None)
-    if overlap or (prefilter and use_rowsel(W, MK, B * S, num_sms(dev))):
+    if rowsel:
         scratch = launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window),
                                 k_pages, P, cnt=cnt[:B] if overlap else None,
-                                nchk=cdiv(MK, kp["KCH"]) if overlap else 0,
-                                ready=ready[0].reshape(-1) if overlap else None)
-        # (overlapped: the attention may start while the keys pass and this
-        # selection still read q, the slopes, ids and the key table)
-        pending = Pending(ready, launch_count(), (q, sl, ids, keys) + scratch) if overlap else None
-        return Selection(pages, counts, pending=pending)
+                                nchk=cdiv(MK, kp["KCH"]) if overlap else 0, ready=ready)
+        # (the attention may start while this selection, and overlapped the
+        # keys pass, still read q, the slopes, ids and the key table)
+        return Selection(pages, counts, pending=Pending(ready, launch_count(), (q, sl, ids, keys) + scratch))
     if NCH > 1:
         ck = torch.empty(B * S * NCH * W, dtype=torch.int32, device=dev)
         cp = torch.empty_like(ck)
