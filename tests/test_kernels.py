@@ -1107,7 +1107,8 @@ def test_pdl_kernels_wait_first():
                 lines = [ln for ln in lines if ln]
                 if attr in polling:
                     k = next(i for i, ln in enumerate(lines) if ln.startswith("if POLL"))
-                    assert all(re.fullmatch(pid + "|if ROWS_FIRST:|else:", ln) for ln in lines[:k]), (attr, lines[:k])
+                    assert all(re.fullmatch(pid + r"|i_r, i_s = grid_ids\(ROWS_FIRST\)", ln) for ln in lines[:k]), \
+                        (attr, lines[:k])
                     branch = lines[k + 1:lines.index("else:", k)]
                     j = next(i for i, ln in enumerate(branch) if ln.startswith("poll_start("))
                     assert all(re.fullmatch(pid, ln) for ln in branch[:j]), (attr, branch)

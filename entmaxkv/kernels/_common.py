@@ -78,6 +78,20 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def grid_ids(SWAP: tl.constexpr):
+    """(program_id(0), program_id(1)) of a 2-D grid, or with SWAP those of
+    the same grid launched transposed: programs start in program_id(0)
+    order first, so a transposed launch starts the second index's items
+    one after another (batch rows of the keys pass, rows of the split pass,
+    in the order they become ready)."""
+    a = tl.program_id(0)
+    b = tl.program_id(1)
+    if SWAP:
+        a, b = b, a
+    return a, b
+
+
+@triton.jit
 def wait_count(cnt_ptr, target, POLLS: tl.constexpr, PDL: tl.constexpr):
     """Wait until the int32 counter at cnt_ptr reaches target: volatile
     loads (no read-modify-write traffic while the producers run), then one

@@ -52,6 +52,7 @@ from ._common import (
     dot_flags,
     entmax_pows,
     entmax_prob,
+    grid_ids,
     interpreting,
     kv_strides,
     launch_count,
@@ -532,12 +533,7 @@ def _split_kernel(
     rows), so programs are scheduled row by row, in the order rows are
     selected.
     """
-    if ROWS_FIRST:
-        i_r = tl.program_id(1)
-        i_s = tl.program_id(0)
-    else:
-        i_r = tl.program_id(0)
-        i_s = tl.program_id(1)
+    i_r, i_s = grid_ids(ROWS_FIRST)
     if POLL > 0:
         poll_start(rdy_ptr + i_r, 1, POLLS, PDL)
     else:

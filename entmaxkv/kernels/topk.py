@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ..types import Pending, Selection
-from ._common import (as_slopes, cdiv, interpreting, launch_count, launch_opts, next_pow2, num_sms, pdl_start,
-                      poll_start, publish, store_b32)
+from ._common import (as_slopes, cdiv, grid_ids, interpreting, launch_count, launch_opts, next_pow2, num_sms,
+                      pdl_start, poll_start, publish, store_b32)
 from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
@@ -442,12 +442,7 @@ def _keys_kernel(
     batch order, each raising int32 cnt[b] by one once its keys are stored
     (the overlapped selection, OVERLAP)."""
     pdl_start(PDL)
-    if PUBLISH:
-        i_b = tl.program_id(1)
-        i_c = tl.program_id(0)
-    else:
-        i_b = tl.program_id(0)
-        i_c = tl.program_id(1)
+    i_b, i_c = grid_ids(PUBLISH)
     _keys_chunk(q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr, i_b, i_c,
                 scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, MK, sinks, window, k_pages,
                 H, HG, P, D, BLOCK_D, BLOCK_M, NSUB, HAS_ALIBI, WRITE_UB, AS_IS)
@@ -1078,18 +1073,18 @@ def select_topk(
     # _rowsel_kernel publishes each row (Pending.counters [2, B, S]: rows
     # selected, the attention's own). Overlapped, the counters share one zero
     # fill with the keys pass's per batch row; else _gmax_kernel zeroes them.
-    cnt = torch.zeros(B + 2 * B * S, dtype=torch.int32, device=dev) if overlap else None
+    cnt = ready = None
     if overlap:
-        ready = cnt[B:].view(2, B, S)
-    else:
-        ready = torch.empty(2, B, S, dtype=torch.int32, device=dev) if rowsel else None
+        zeros = torch.zeros(B + 2 * B * S, dtype=torch.int32, device=dev)
+        cnt, ready = zeros[:B], zeros[B:].view(2, B, S)
+    elif rowsel:
+        ready = torch.empty(2, B, S, dtype=torch.int32, device=dev)
     if all_heads:
         kp = launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
-                         has_alibi=slopes is not None, cnt=cnt[:B] if overlap else None)
+                         has_alibi=slopes is not None, cnt=cnt)
     if rowsel:
         scratch = launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window),
-                                k_pages, P, cnt=cnt[:B] if overlap else None,
-                                nchk=cdiv(MK, kp["KCH"]) if overlap else 0, ready=ready)
+                                k_pages, P, cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0, ready=ready)
         # (the attention may start while this selection, and overlapped the
         # keys pass, still read q, the slopes, ids and the key table)
         return Selection(pages, counts, pending=Pending(ready, launch_count(), (q, sl, ids, keys) + scratch))
