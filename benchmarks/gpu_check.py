@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from bench_decode import capture
 from entmaxkv import attention as RA
 from entmaxkv import policies as RP
 from entmaxkv import scoring as RS
@@ -42,20 +43,6 @@ def sets(sel):
     c = sel.counts.cpu()
     p = sel.pages.cpu()
     return [[frozenset(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
-
-
-def capture(step):
-    """A CUDA graph of ``step()`` (after one warm-up call on a side stream, as
-    capture requires) and the outputs its replays write."""
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        step()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
-    return g, out
 
 
 def make(lens, H, G, D, P, dtype, seed, key_scale=1.5):

@@ -11,9 +11,10 @@ import math
 
 import torch
 
+from bench_decode import capture
 from entmaxkv import kernels as K
 from entmaxkv import policies as RP
-from gpu_check import capture, make
+from gpu_check import make
 
 import entmaxkv.kernels._common as C  # noqa: E402
 import entmaxkv.kernels.attention as A  # noqa: E402

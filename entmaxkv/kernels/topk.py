@@ -862,16 +862,15 @@ def _rowsel_kernel(
     READY: then raise ready[row] (int32, zeroed by the caller) to 1 once the
     row's pages and count are stored, for an attention launch that polls
     it (attention.POLL_READY) instead of waiting for this whole grid."""
+    i_r = tl.program_id(0).to(tl.int64)
     if POLL:
         # not pdl_start: this launch may begin before the keys pass ends (it is
         # scheduled only once every keys program has passed its own pdl_start, so
         # every launch before that pass has ended); it waits for its batch row
-        i_p = tl.program_id(0).to(tl.int64)
-        poll_start(cnt_ptr + i_p // S, NCHK, POLLS, PDL)
-        _row_gmax(key_ptr + i_p * MK, gmax_ptr + i_p * NKP, NKP, GS, GT)
+        poll_start(cnt_ptr + i_r // S, NCHK, POLLS, PDL)
+        _row_gmax(key_ptr + i_r * MK, gmax_ptr + i_r * NKP, NKP, GS, GT)
     else:
         pdl_start(PDL)
-    i_r = tl.program_id(0).to(tl.int64)
     seq = tl.load(ids_ptr + i_r // S).to(tl.int64)
     n = tl.load(lens_ptr + seq)
     npages, wnd, k_row = row_budget(n, sinks, window, k_pages, P)
