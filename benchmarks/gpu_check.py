@@ -45,6 +45,11 @@ def sets(sel):
     return [[frozenset(p[b, s, : int(c[b, s])].tolist()) for s in range(S)] for b in range(B)]
 
 
+def alibi(n):
+    """The geometric ALiBi slopes of n heads, float32 on the GPU."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / n) for i in range(n)], device="cuda")
+
+
 def make(lens, H, G, D, P, dtype, seed, key_scale=1.5):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n = max(lens)
@@ -135,12 +140,11 @@ def check_overlapped(K, report, dims, replays=50):
         ([300000], 24, 32, 16, torch.float16, False, RP.TopK(1024), (1.0, 1.5)),
         ([600000, 250001], 4, 64, 16, torch.bfloat16, True, RP.TopK(1024, sinks=1, window=2), (2.0, 1.0)),
     ]
-    for i, (lens, H, D, P, dtype, alibi, pol, alphas) in enumerate(shapes):
+    for i, (lens, H, D, P, dtype, has_alibi, pol, alphas) in enumerate(shapes):
         cache, ids, q = make(lens, H, 1, D, P, dtype, seed=100 + i)
         scale = 1.0 / math.sqrt(D)
-        slopes = (torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
-                  if alibi else None)
-        tag = f"B{len(lens)} n{max(lens)} H{H} D{D} P{P} {str(dtype)[6:]}{' alibi' if alibi else ''} k{pol.budget}"
+        slopes = alibi(H) if has_alibi else None
+        tag = f"B{len(lens)} n{max(lens)} H{H} D{D} P{P} {str(dtype)[6:]}{' alibi' if has_alibi else ''} k{pol.budget}"
         for alpha in alphas:
             sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
             rsel = RP.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
@@ -226,7 +230,7 @@ def run_case(case_i, dtype, D, H, G, P, K, report):
         scale = 1.0 / math.sqrt(D)
         slopes = None
         if case_i % 2 == 1:
-            slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / (H * G)) for i in range(H * G)], device="cuda")
+            slopes = alibi(H * G)
             slopes[(H * G) // 2:] = 0.0
         tag = f"{str(dtype)[6:]} D{D} H{H}G{G} P{P}{' alibi' if slopes is not None else ''}"
         q64 = q.double()

@@ -14,7 +14,7 @@ import torch
 from bench_decode import capture
 from entmaxkv import kernels as K
 from entmaxkv import policies as RP
-from gpu_check import make
+from gpu_check import alibi, make
 
 import entmaxkv.kernels._common as C  # noqa: E402
 import entmaxkv.kernels.attention as A  # noqa: E402
@@ -44,10 +44,10 @@ def rows_sorted(pages, counts):
 
 
 def probe(name, variant, reps):
-    lens, H, D, P, dtype, alibi, pol, alpha = SHAPES[name]
+    lens, H, D, P, dtype, has_alibi, pol, alpha = SHAPES[name]
     cache, ids, q = make(lens, H, 1, D, P, dtype, seed=7)
     scale = 1.0 / math.sqrt(D)
-    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda") if alibi else None
+    slopes = alibi(H) if has_alibi else None
 
     def step():
         s = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
