@@ -65,6 +65,46 @@ def _now():
 
 
 @gluon.jit
+def _wait_row(cnt_ptr, b, target, err_ptr, POLLS: gl.constexpr):
+    """Wait until the int32 counter cnt[b] reaches target (volatile loads, then
+    one acquire). Bounded: after POLLS loads it gives up and counts one at
+    err[0], so a grid that is not all resident ends instead of hanging."""
+    c = gl.load(cnt_ptr + b, volatile=True)
+    n_poll = 0
+    while (c < target) & (n_poll < POLLS):
+        c = gl.load(cnt_ptr + b, volatile=True)
+        n_poll += 1
+    c = gl.atomic_add(cnt_ptr + b, 0, sem="acquire", scope="gpu")
+    if c < target:
+        gl.atomic_add(err_ptr, 1)
+
+
+def parse_form(v: str, sms: int, defaults) -> tuple:
+    """A form ``[NCTAx]PW+CWwREGS[:<letter><int>]...`` -> (programs, producer
+    warps, worker warps, worker registers, options): NCTA may be "sms" and
+    defaults to one program per SM; ``defaults(pw, cw)`` gives the options'
+    defaults, which the ``:<letter><int>`` items override."""
+    head, *opts = v.split(":")
+    ncta, head = head.split("x") if "x" in head else ("sms", head)
+    pw, rest = head.split("+")
+    cw, regs = rest.split("w")
+    ncta, pw, cw, regs = (sms if ncta == "sms" else int(ncta)), int(pw), int(cw), int(regs)
+    o = defaults(pw, cw)
+    o.update({x[0]: int(x[1:]) for x in opts})
+    return ncta, pw, cw, regs, o
+
+
+def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph, L2 flushed
+    before each replay (bench_decode's capture / time_graph)."""
+    from bench_decode import capture, time_graph
+
+    g, _ = capture(fn)
+    ms, _ = time_graph(g, flush, 5, reps, warm_ms=50)
+    return ms * 1e3
+
+
+@gluon.jit
 def _read_item(bt_ptr, meta_ptr, it, NPG: gl.constexpr, BM: gl.constexpr, E: gl.constexpr, W: gl.constexpr,
                RUNW: gl.constexpr):
     """Largest metadata value of item ``it``'s NPG pages (E halfs each): BM
@@ -134,14 +174,7 @@ def _consumer(bt_ptr, key_ptr, gm_ptr, kp_ptr, vp_ptr, res_ptr, cnt_ptr, err_ptr
         for r in range(pid, NROWS, ncta):
             b = r // H
             h = r % H
-            c = gl.load(cnt_ptr + b, volatile=True)
-            n_poll = 0
-            while (c < IPB) & (n_poll < POLLS):  # bounded: a grid that is not all resident must not hang
-                c = gl.load(cnt_ptr + b, volatile=True)
-                n_poll += 1
-            c = gl.atomic_add(cnt_ptr + b, 0, sem="acquire", scope="gpu")
-            if c < IPB:
-                gl.atomic_add(err_ptr, 1)
+            _wait_row(cnt_ptr, b, IPB, err_ptr, POLLS)
             gl.store(tr_ptr + 2 * r, _now())
             row = key_ptr + r.to(gl.int64) * 8192
             if CHAIN == 2:  # group maxima of 512 groups of 16 keys: one load, kept in registers
@@ -294,7 +327,7 @@ def one_launch_roles(B: int, IPB: int, H: int, lag: int, device) -> torch.Tensor
 
 
 def main(argv=None):
-    from bench_decode import CONFIGS, build, capture, make_step, time_graph
+    from bench_decode import CONFIGS, build, make_step
     from read_ceiling import _gather_kernel
     import entmaxkv.kernels as K
     from entmaxkv.kernels import topk as T
@@ -346,11 +379,6 @@ def main(argv=None):
         want = meta.view(-1, E)[bt.long()].view(NITEMS, npg * E).amax(1).float()  # each item's largest value
         scale = D ** -0.5
 
-        def us_of(fn):
-            g, _ = capture(fn)
-            ms, _ = time_graph(g, flush, 5, args.reps, warm_ms=50)
-            return ms * 1e3
-
         lines = {}
         gout = torch.empty(triton.cdiv(NP, 8), device="cuda")
         lines["triton gather (run 2048 x 4 pages x 2, 8 w)"] = lambda: _gather_kernel[(gout.numel(),)](
@@ -383,13 +411,8 @@ def main(argv=None):
                 lines[name] = one
                 timelines[name] = (one, -NITEMS, chain)
         for v in args.variants.split(","):
-            head, *opts = v.split(":")
-            ncta, rest = head.split("x")
-            pw, rest = rest.split("+")
-            cw, regs = rest.split("w")
-            ncta, pw, cw, regs = (sms if ncta == "sms" else int(ncta)), int(pw), int(cw), int(regs)
-            o = dict(r=512, b=32 if pw >= 8 else 16, s=2 * cw, n=8, c=1)
-            o.update({x[0]: int(x[1:]) for x in opts})
+            ncta, pw, cw, regs, o = parse_form(
+                v, sms, lambda pw, cw: dict(r=512, b=32 if pw >= 8 else 16, s=2 * cw, n=8, c=1))
             for chain in (0, o["c"]):
                 name = f"ws {v} {'chains' if chain else 'idle'}"
 
@@ -406,7 +429,7 @@ def main(argv=None):
         for rnd in range(args.rounds):
             for name, fn in lines.items():
                 try:
-                    us = us_of(fn)
+                    us = graph_us(fn, flush, args.reps)
                 except Exception as exc:  # a variant that does not compile or launch: say so, go on
                     print(f"{cname} r{rnd} {name:48s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
                           flush=True)

@@ -46,6 +46,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ws_proto import _now, _wait_row, graph_us, parse_form
+
 INT_MAX = gl.constexpr(2147483647)
 # a barrier of the calling partition's warps: thread_barrier in Triton 3.6 (the H200), barrier in later releases
 _sync = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -56,13 +58,6 @@ def _sortable(x):
     """float32 -> int32 whose signed order is the float order."""
     b = x.to(gl.int32, bitcast=True)
     return gl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-
-
-@gluon.jit
-def _now():
-    """The GPU's global nanosecond timer."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [gl.program_id(0)], dtype=gl.int64,
-                                     is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -206,14 +201,7 @@ def _rows(q_ptr, bt_ptr, key_ptr, kp_ptr, vp_ptr, cnt_ptr, gl_ptr, pg_ptr, out_p
     for r in range(pid, NROWS, ncta):
         b = r // H
         h = r % H
-        c = gl.load(cnt_ptr + b, volatile=True)
-        n_poll = 0
-        while (c < IPB) & (n_poll < POLLS):
-            c = gl.load(cnt_ptr + b, volatile=True)
-            n_poll += 1
-        c = gl.atomic_add(cnt_ptr + b, 0, sem="acquire", scope="gpu")
-        if c < IPB:
-            gl.atomic_add(err_ptr, 1)
+        _wait_row(cnt_ptr, b, IPB, err_ptr, POLLS)
         gl.store(tr_ptr + 3 * r, _now())
         _sync()
         row = key_ptr + r.to(gl.int64) * M
@@ -303,7 +291,7 @@ def _ws_quest(q_ptr, bt_ptr, meta_ptr, key_ptr, kp_ptr, vp_ptr, cnt_ptr, gl_ptr,
 
 
 def main(argv=None):
-    from bench_decode import CONFIGS, build, capture, make_step, time_graph
+    from bench_decode import CONFIGS, build, make_step
     import entmaxkv.kernels as KER
     from entmaxkv.kernels._common import num_sms
 
@@ -312,10 +300,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="16+8w88,16+8w88:p2:f2:b32,16+8w88:s0",
-                    help="PW+CWwREGS[:bBM][:rROUNDS][:tNT][:aSPG][:pPF][:fAF][:s0]: producer warps, worker warps, "
+                    help="[NCTAx]PW+CWwREGS[:bBM][:rROUNDS][:tNT][:aSPG][:pPF][:fAF][:s0]: producer warps, worker warps, "
                          "worker registers, producer pages per step, search rounds and thresholds, attention pages "
                          "per step, producer form (1: all heads per step, 2: 8 heads per step), attention form (1: "
-                         "page ids per step, 2: all first) (s0: producers alone)")
+                         "page ids per step, 2: all first) (s0: producers alone); NCTA: programs (default one "
+                         "per SM)")
     args = ap.parse_args(argv)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     sms = num_sms(torch.device("cuda"))
@@ -339,7 +328,7 @@ def main(argv=None):
         pages = torch.empty(NROWS * Kp, dtype=torch.int32, device="cuda")
         out = torch.empty(B, H, D, dtype=torch.float32, device="cuda")
         err = torch.zeros(2, dtype=torch.int32, device="cuda")
-        ts = torch.zeros(2 * sms, dtype=torch.int64, device="cuda")
+        ts = torch.zeros(2 * 4 * sms, dtype=torch.int64, device="cuda")  # producer start / end per program
         tr = torch.zeros(3 * NROWS, dtype=torch.int64, device="cuda")
         floor_us = (B * M * H * 2 * D * 2 + 2 * B * H * Kp * P * D * 2 + B * HQ * D * 2) / 4.26e6
 
@@ -348,22 +337,13 @@ def main(argv=None):
         ref_pages = ref_sel.pages[:, :, :Kp].sort(dim=-1).values
         assert bool((ref_sel.counts == Kp).all())
 
-        def us_of(fn):
-            g, _ = capture(fn)
-            ms, _ = time_graph(g, flush, 5, args.reps, warm_ms=50)
-            return ms * 1e3
-
         steps, compiled = {"library quest step": ref_step}, {}
         for v in args.variants.split(","):
-            head, *opts = v.split(":")
-            pw, rest = head.split("+")
-            cw, regs = rest.split("w")
-            o = dict(b=16, r=6, t=8, s=1, a=16, p=1, f=1)
-            o.update({x[0]: int(x[1:]) for x in opts})
+            ncta, pw, cw, regs, o = parse_form(v, sms, lambda pw, cw: dict(b=16, r=6, t=8, s=1, a=16, p=1, f=1))
 
-            def step(pw=int(pw), cw=int(cw), regs=int(regs), o=o, v=v):
+            def step(ncta=ncta, pw=pw, cw=cw, regs=regs, o=o, v=v):
                 cnt.zero_()
-                compiled[v] = _ws_quest[(sms,)](
+                compiled[v] = _ws_quest[(ncta,)](
                                   qc, bt, cache.k_bounds, keys, cache.k_pages, cache.v_pages, cnt, glist, pages, out,
                                   err, ts, tr, scale, M, NITEMS, IPB, NROWS, H=H, D=D, P=P, K=Kp, NPG=npg, BM=o["b"],
                                   PW=pw, CW=cw, REGS=regs, ONE_G=128, NT=o["t"], ROUNDS=o["r"], SEL=o["s"],
@@ -382,7 +362,7 @@ def main(argv=None):
                 flush.zero_()
                 step()
             torch.cuda.synchronize()
-            t = ts.view(-1, 2).double()
+            t = ts[:2 * ncta].view(-1, 2).double()
             t0 = t[:, 0].min()
             end = (t[:, 1] - t0) / 1e3
             k = compiled[v]
@@ -410,7 +390,7 @@ def main(argv=None):
         print(f"## {cname}: floor {floor_us:.1f} us (1.5x: {1.5 * floor_us:.1f})", flush=True)
         for rnd in range(args.rounds):
             for name, fn in steps.items():
-                us = us_of(fn)
+                us = graph_us(fn, flush, args.reps)
                 print(f"{cname} r{rnd} {name:28s} {us:8.1f} us  {us / floor_us:5.2f}x floor", flush=True)
         cache = steps = ref_step = None
         torch.cuda.empty_cache()
