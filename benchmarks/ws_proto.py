@@ -92,6 +92,20 @@ def parse_form(v: str, sms: int, defaults) -> tuple:
     return ncta, pw, cw, regs, o
 
 
+def timeline(fn, flush: torch.Tensor, producer_stamps) -> tuple:
+    """Run ``fn`` three times, each after an L2 flush, and read the last
+    run's %globaltimer stamps: ``producer_stamps()`` gives int64 [programs,
+    2] (start, end). Returns (t0, ends): the first producer's start (ns,
+    float64) and every producer's end in us after it."""
+    for _ in range(3):
+        flush.zero_()
+        fn()
+    torch.cuda.synchronize()
+    t = producer_stamps().double()
+    t0 = t[:, 0].min()
+    return t0, (t[:, 1] - t0) / 1e3
+
+
 def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
     """Median microseconds of ``fn`` replayed from a CUDA graph, L2 flushed
     before each replay (bench_decode's capture / time_graph)."""
@@ -409,7 +423,8 @@ def main(argv=None):
                         roles, bt, meta, out, cnt, keys, cache.k_pages, cache.v_pages, res, err, tsl, tr, IPB, H, M,
                         NPG=npg, BM=bm, E=E, RUNW=runw, SP=sp, ROUNDS=8, POLLS=1 << 22, CHAIN=chain, num_warps=w)
                 lines[name] = one
-                timelines[name] = (one, -NITEMS, chain)
+                # the producer programs' stamps (the chains' slots stay 0)
+                timelines[name] = (one, lambda: tsl.view(-1, 2)[tsl.view(-1, 2)[:, 0] > 0], chain)
         for v in args.variants.split(","):
             ncta, pw, cw, regs, o = parse_form(
                 v, sms, lambda pw, cw: dict(r=512, b=32 if pw >= 8 else 16, s=2 * cw, n=8, c=1))
@@ -423,7 +438,7 @@ def main(argv=None):
                         NITEMS, IPB, NROWS, H, M, NPG=npg, BM=o["b"], E=E, PW=pw, CW=cw, REGS=regs,
                         CHAIN=chain, RUNW=o["r"], SP=o["s"], ROUNDS=o["n"], num_warps=pw)
                 lines[name] = ws
-                timelines[name] = (ws, ncta, chain)
+                timelines[name] = (ws, lambda ncta=ncta: ts[:2 * ncta].view(ncta, 2), chain)
         print(f"## {cname}: floor {floor_us:.1f} us (1.5x: {1.5 * floor_us:.1f}), metadata "
               f"{NP * E * 2 / 1e6:.1f} MB, {NITEMS} items of {npg} pages, {NROWS} rows", flush=True)
         for rnd in range(args.rounds):
@@ -440,24 +455,11 @@ def main(argv=None):
                     out.zero_()
                 print(f"{cname} r{rnd} {name:48s} {us:8.1f} us  {us / floor_us:5.2f}x floor{note}", flush=True)
         # timelines: one eager run after an L2 flush per persistent form, us from the first producer's start
-        for name, (fn, ncta, chain) in timelines.items():
+        for name, (fn, stamps, chain) in timelines.items():
             ts.zero_()
             tsl.zero_()
             tr.zero_()
-            fn()
-            torch.cuda.synchronize()
-            for _ in range(3):
-                flush.zero_()
-                fn()
-            torch.cuda.synchronize()
-            if ncta < 0:  # a one-launch form: its producer programs' stamps (the chains' slots stay 0)
-                t = tsl.view(-1, 2).double()
-                t = t[t[:, 0] > 0]
-                ncta = t.shape[0]
-            else:
-                t = ts[:2 * ncta].view(ncta, 2).double()
-            t0 = t[:, 0].min()
-            end = (t[:, 1] - t0) / 1e3
+            t0, end = timeline(fn, flush, stamps)
             line = (f"{cname} timeline {name:40s} producers end {end.min():6.1f}-{end.max():6.1f} us")
             if chain:
                 rt = ((tr.view(B, H, 2).double() - t0) / 1e3)

@@ -46,7 +46,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ws_proto import _now, _wait_row, graph_us, parse_form
+from ws_proto import _now, _wait_row, graph_us, parse_form, timeline
 
 INT_MAX = gl.constexpr(2147483647)
 # a barrier of the calling partition's warps: thread_barrier in Triton 3.6 (the H200), barrier in later releases
@@ -85,17 +85,33 @@ def _rank2(f, L1: gl.constexpr, LR: gl.constexpr):
 def _produce(q_ptr, bt_ptr, meta_ptr, key_ptr, cnt_ptr, ts_ptr, scale, M, NITEMS, IPB,
              H: gl.constexpr, D: gl.constexpr, NPG: gl.constexpr, BM: gl.constexpr, PW: gl.constexpr,
              PF: gl.constexpr):
-    """Keys of items pid, pid + NCTA, ... (batch order), then their counters;
-    ts[2 pid] / ts[2 pid + 1]: this program's start / end (%globaltimer).
-    PF 1: every head of BM pages per step (32 head slots, H valid); PF 2: 8
-    heads per step (_produce_hg)."""
+    """Keys of items pid, pid + NCTA, ... (batch order), each then published
+    by a release that raises its batch row's counter; ts[2 pid] / ts[2 pid +
+    1]: this program's start / end (%globaltimer). PF 1: _keys_all; PF 2:
+    _keys_hg."""
+    pid = gl.program_id(0)
+    ncta = gl.num_programs(0)
+    gl.store(ts_ptr + 2 * pid, _now())
+    for it in range(pid, NITEMS, ncta):
+        b = it // IPB
+        if PF == 2:
+            _keys_hg(q_ptr, bt_ptr, meta_ptr, key_ptr, scale, M, b, it % IPB, H, D, NPG, BM, PW)
+        else:
+            _keys_all(q_ptr, bt_ptr, meta_ptr, key_ptr, scale, M, b, it % IPB, H, D, NPG, BM, PW)
+        _sync()  # this partition's key stores, then one release
+        gl.atomic_add(cnt_ptr + b, 1, sem="release", scope="gpu")
+    gl.store(ts_ptr + 2 * pid + 1, _now())
+
+
+@gluon.jit
+def _keys_all(q_ptr, bt_ptr, meta_ptr, key_ptr, scale, M, b, c,
+              H: gl.constexpr, D: gl.constexpr, NPG: gl.constexpr, BM: gl.constexpr, PW: gl.constexpr):
+    """Keys of batch row b's item c (pages c * NPG + [0, NPG)): BM pages per
+    step, every head of a page at once (32 head slots, H valid)."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [PW, 1, 1], [2, 1, 0])  # [pages, heads, 2 * D]
     LPH: gl.constexpr = gl.SliceLayout(2, L3)  # [pages, heads]
     LQ: gl.constexpr = gl.SliceLayout(0, L3)  # [heads, 2 * D]
     HP: gl.constexpr = 32  # head slots (H <= 32)
-    pid = gl.program_id(0)
-    ncta = gl.num_programs(0)
-    gl.store(ts_ptr + 2 * pid, _now())
     o_b = gl.arange(0, BM, layout=gl.SliceLayout(1, LPH))
     o_h = gl.arange(0, HP, layout=gl.SliceLayout(0, LPH))
     o_hq = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))
@@ -104,59 +120,45 @@ def _produce(q_ptr, bt_ptr, meta_ptr, key_ptr, cnt_ptr, ts_ptr, scale, M, NITEMS
     # offsets of one page's metadata [heads, (min | max) x D] within its row of H * 2 * D values
     o_in = gl.expand_dims(o_hq[:, None] * (2 * D) + o_j[None, :], 0)
     m_in = gl.expand_dims(m_hq, 0)
-    if PF == 2:  # heads in groups of 8 (no masked head slots), the q split reloaded per step (L1 hits)
-        _produce_hg(q_ptr, bt_ptr, meta_ptr, key_ptr, cnt_ptr, scale, M, NITEMS, IPB, H, D, NPG, BM, PW)
-        gl.store(ts_ptr + 2 * pid + 1, _now())
-        return
-    for it in range(pid, NITEMS, ncta):
-        b = it // IPB
-        # q split by sign: the min half multiplies q's negative part, the max half its positive part
-        qv = gl.load(q_ptr + b * (H * D) + o_hq[:, None] * D + (o_j % D)[None, :], mask=m_hq, other=0.0)
-        qv = qv.to(gl.float32)
-        qs = gl.where((o_j < D)[None, :], gl.minimum(qv, 0.0), gl.maximum(qv, 0.0)) * scale
-        for s in range(NPG // BM):
-            o_m = (it % IPB) * NPG + s * BM + o_b  # logical pages of batch row b
-            phys = gl.load(bt_ptr + b * M + o_m).to(gl.int64)
-            p3 = gl.expand_dims(gl.expand_dims(phys, 1), 2)
-            x = gl.load(meta_ptr + p3 * (H * 2 * D) + o_in, mask=m_in, other=0.0).to(gl.float32)
-            u = gl.sum(x * gl.expand_dims(qs, 0), axis=2)  # [BM, HP] bounds
-            key = gl.where((o_m == M - 1)[:, None], INT_MAX, _sortable(u))
-            gl.store(key_ptr + (b * H + o_h[None, :]).to(gl.int64) * M + o_m[:, None], key,
-                     mask=(o_h < H)[None, :] & (o_m < M)[:, None])
-        _sync()  # this partition's key stores, then one release
-        gl.atomic_add(cnt_ptr + b, 1, sem="release", scope="gpu")
-    gl.store(ts_ptr + 2 * pid + 1, _now())
+    # q split by sign: the min half multiplies q's negative part, the max half its positive part
+    qv = gl.load(q_ptr + b * (H * D) + o_hq[:, None] * D + (o_j % D)[None, :], mask=m_hq, other=0.0)
+    qv = qv.to(gl.float32)
+    qs = gl.where((o_j < D)[None, :], gl.minimum(qv, 0.0), gl.maximum(qv, 0.0)) * scale
+    for s in range(NPG // BM):
+        o_m = c * NPG + s * BM + o_b  # logical pages of batch row b
+        phys = gl.load(bt_ptr + b * M + o_m).to(gl.int64)
+        p3 = gl.expand_dims(gl.expand_dims(phys, 1), 2)
+        x = gl.load(meta_ptr + p3 * (H * 2 * D) + o_in, mask=m_in, other=0.0).to(gl.float32)
+        u = gl.sum(x * gl.expand_dims(qs, 0), axis=2)  # [BM, HP] bounds
+        key = gl.where((o_m == M - 1)[:, None], INT_MAX, _sortable(u))
+        gl.store(key_ptr + (b * H + o_h[None, :]).to(gl.int64) * M + o_m[:, None], key,
+                 mask=(o_h < H)[None, :] & (o_m < M)[:, None])
 
 
 @gluon.jit
-def _produce_hg(q_ptr, bt_ptr, meta_ptr, key_ptr, cnt_ptr, scale, M, NITEMS, IPB,
-                H: gl.constexpr, D: gl.constexpr, NPG: gl.constexpr, BM: gl.constexpr, PW: gl.constexpr):
-    """_produce's loop over BM pages x 8 heads per step (H a multiple of 8)."""
+def _keys_hg(q_ptr, bt_ptr, meta_ptr, key_ptr, scale, M, b, c,
+             H: gl.constexpr, D: gl.constexpr, NPG: gl.constexpr, BM: gl.constexpr, PW: gl.constexpr):
+    """_keys_all over BM pages x 8 heads per step (H a multiple of 8: no
+    masked head slots), the q split reloaded per step (L1 hits)."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [PW, 1, 1], [2, 1, 0])  # [pages, 8 heads, 2 * D]
     LPH: gl.constexpr = gl.SliceLayout(2, L3)
     LQ: gl.constexpr = gl.SliceLayout(0, L3)
-    pid = gl.program_id(0)
-    ncta = gl.num_programs(0)
     o_b = gl.arange(0, BM, layout=gl.SliceLayout(1, LPH))
     o_h = gl.arange(0, 8, layout=gl.SliceLayout(0, LPH))
     o_hq = gl.arange(0, 8, layout=gl.SliceLayout(1, LQ))
     o_j = gl.arange(0, 2 * D, layout=gl.SliceLayout(0, LQ))
     o_in = gl.expand_dims(o_hq[:, None] * (2 * D) + o_j[None, :], 0)
-    for it in range(pid, NITEMS, ncta):
-        b = it // IPB
-        for s in range(NPG // BM):
-            o_m = (it % IPB) * NPG + s * BM + o_b
-            phys = gl.load(bt_ptr + b * M + o_m).to(gl.int64)
-            p3 = gl.expand_dims(gl.expand_dims(phys, 1), 2) * (H * 2 * D)
-            for g in gl.static_range(H // 8):
-                x = gl.load(meta_ptr + p3 + (g * 8 * 2 * D) + o_in).to(gl.float32)
-                qv = gl.load(q_ptr + b * (H * D) + (g * 8 + o_hq)[:, None] * D + (o_j % D)[None, :]).to(gl.float32)
-                qs = gl.where((o_j < D)[None, :], gl.minimum(qv, 0.0), gl.maximum(qv, 0.0)) * scale
-                u = gl.sum(x * gl.expand_dims(qs, 0), axis=2)  # [BM, 8] bounds
-                key = gl.where((o_m == M - 1)[:, None], INT_MAX, _sortable(u))
-                gl.store(key_ptr + (b * H + g * 8 + o_h[None, :]).to(gl.int64) * M + o_m[:, None], key)
-        _sync()
-        gl.atomic_add(cnt_ptr + b, 1, sem="release", scope="gpu")
+    for s in range(NPG // BM):
+        o_m = c * NPG + s * BM + o_b
+        phys = gl.load(bt_ptr + b * M + o_m).to(gl.int64)
+        p3 = gl.expand_dims(gl.expand_dims(phys, 1), 2) * (H * 2 * D)
+        for g in gl.static_range(H // 8):
+            x = gl.load(meta_ptr + p3 + (g * 8 * 2 * D) + o_in).to(gl.float32)
+            qv = gl.load(q_ptr + b * (H * D) + (g * 8 + o_hq)[:, None] * D + (o_j % D)[None, :]).to(gl.float32)
+            qs = gl.where((o_j < D)[None, :], gl.minimum(qv, 0.0), gl.maximum(qv, 0.0)) * scale
+            u = gl.sum(x * gl.expand_dims(qs, 0), axis=2)  # [BM, 8] bounds
+            key = gl.where((o_m == M - 1)[:, None], INT_MAX, _sortable(u))
+            gl.store(key_ptr + (b * H + g * 8 + o_h[None, :]).to(gl.int64) * M + o_m[:, None], key)
 
 
 @gluon.jit
@@ -300,11 +302,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="16+8w88,16+8w88:p2:f2:b32,16+8w88:s0",
-                    help="[NCTAx]PW+CWwREGS[:bBM][:rROUNDS][:tNT][:aSPG][:pPF][:fAF][:s0]: producer warps, worker warps, "
-                         "worker registers, producer pages per step, search rounds and thresholds, attention pages "
-                         "per step, producer form (1: all heads per step, 2: 8 heads per step), attention form (1: "
-                         "page ids per step, 2: all first) (s0: producers alone); NCTA: programs (default one "
-                         "per SM)")
+                    help="[NCTAx]PW+CWwREGS[:bBM][:rROUNDS][:tNT][:aSPG][:pPF][:fAF][:s0]: producer warps, worker "
+                         "warps, worker registers, producer pages per step, search rounds and thresholds, "
+                         "attention pages per step, producer form (1: all heads per step, 2: 8 heads per step), "
+                         "attention form (1: page ids per step, 2: all first) (s0: producers alone); NCTA: programs "
+                         "(default one per SM)")
     args = ap.parse_args(argv)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     sms = num_sms(torch.device("cuda"))
@@ -358,13 +360,7 @@ def main(argv=None):
                     exc = exc.__cause__ or exc.__context__
                 print(f"{cname} ws {v}: failed: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
                 continue
-            for _ in range(3):  # a timeline of a run after an L2 flush
-                flush.zero_()
-                step()
-            torch.cuda.synchronize()
-            t = ts[:2 * ncta].view(-1, 2).double()
-            t0 = t[:, 0].min()
-            end = (t[:, 1] - t0) / 1e3
+            t0, end = timeline(step, flush, lambda ncta=ncta: ts[:2 * ncta].view(ncta, 2))
             k = compiled[v]
             line = (f"{cname} ws {v}: {getattr(k, 'n_regs', '?')} registers, {getattr(k, 'n_spills', '?')} spills; "
                     f"timeline: producers end {end.min():.1f}-{end.max():.1f} us")
