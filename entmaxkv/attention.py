@@ -127,7 +127,7 @@ def certify(
 ) -> torch.Tensor:
     """Per-head certificate that sparse attention equals full-cache attention.
 
-    By monotonicity (SPEC section 1) the threshold over any kept set is <= the
+    By monotonicity (docs/spec.md §1) the threshold over any kept set is <= the
     full-cache threshold, so a page whose bound satisfies (alpha-1) * u <= tau
     holds no support token. The result is exact when every valid unselected
     page passes this test. Softmax (alpha = 1) has full support: certified

@@ -1,4 +1,4 @@
-"""Paged KV cache with per-page key statistics (SPEC section 3).
+"""Paged KV cache with per-page key statistics (docs/spec.md §3).
 
 Layout (fixed by docs/contracts.md; the Triton kernels index it directly):
 

@@ -31,7 +31,7 @@ Conventions shared by every function here:
 
 Algorithms: exact sort-based solutions for alpha == 2 and alpha == 1.5 and a
 safeguarded Halley iteration with a fixed iteration count for other alpha
-(SPEC section 1), both finished by Newton steps on the detected support.
+(docs/spec.md §1), both finished by Newton steps on the detected support.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def _shift(z: torch.Tensor):
 
 
 def _bracket(n: torch.Tensor, alpha: float, dtype: torch.dtype):
-    """SPEC bracket of the shifted threshold: [-1, -n^(1-alpha)].
+    """the spec bracket of the shifted threshold: [-1, -n^(1-alpha)].
 
     lo = -1: the largest entry alone has mass 1 there, so f(lo) >= 0.
     hi = -n^(1-alpha): every entry has mass <= 1/n there, so f(hi) <= 0.
@@ -273,7 +273,7 @@ def _threshold_halley(
 
     Solves h(t) = (sum [d - t]_+^beta)^(alpha-1) - 1 = 0, which has the root
     and sign of f(t) = sum [d - t]_+^beta - 1 but is far closer to linear
-    (see _h_and_derivs). The bracket [lo, hi] starts at the SPEC bounds and
+    (see _h_and_derivs). The bracket [lo, hi] starts at the spec bounds and
     is tightened with the sign of f at every iterate; each step is a Halley
     step guarded by _safeguarded_step (bisection when it leaves the bracket or
     stalls -- as it does where entries join the support with a vertical

@@ -1,6 +1,6 @@
 """Truncated Gaussian moments and the Gaussian estimate of the entmax threshold.
 
-The Gaussian-aware selector (SPEC section 5) models the score of a token of
+The Gaussian-aware selector (docs/spec.md §5) models the score of a token of
 page p as S_p ~ N(mu_p, sigma_p^2) and estimates the entmax threshold tau_hat
 from the distributional constraint
 
@@ -18,7 +18,7 @@ E[Y_+^b] = sigma^b J_b(t). Integration by parts gives, for every b > 1,
 
     J_b(t) = t J_(b-1)(t) + (b - 1) J_(b-2)(t),    dJ_b/dt = b J_(b-1)(t),
 
-which yields the SPEC closed forms from J_0 = Phi(t), J_1 = t Phi(t) + phi(t),
+which yields the spec closed forms from J_0 = Phi(t), J_1 = t Phi(t) + phi(t),
 and d/dtau E[Y_+^b] = -b E[Y_+^(b-1)].
 
 Like entmaxkv.entmax, nothing here calls ``.item()`` or branches on tensor
@@ -127,16 +127,16 @@ def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def _closed_form(mu: torch.Tensor, sigma: torch.Tensor, k: int) -> torch.Tensor:
-    """E[Y_+^k] for integer k in {0, 1, 2, 3} (SPEC section 5), sigma > 0 assumed.
+    """E[Y_+^k] for integer k in {0, 1, 2, 3} (docs/spec.md §5), sigma > 0 assumed.
 
-    For t = mu / sigma >= -3 the SPEC formulas, written in mu and sigma rather
+    For t = mu / sigma >= -3 the spec formulas, written in mu and sigma rather
     than t so that a tiny sigma (t -> +-inf) cannot overflow. Below t = -3
     their terms cancel (relative error ~ eps t^2), so there the moments are
     built as products J_k = Phi(t) rho_1 ... rho_k of the ratios
     rho_j = J_j / J_(j-1), which satisfy (from the recurrence, x = -t)
     rho_j = j / (x + rho_(j+1)), a continued fraction that converges fast for
     x >= 3 and involves no subtraction. (float32 keeps ~1e-4 relative error
-    just above t = -3, where the SPEC terms still cancel ~100-fold.)
+    just above t = -3, where the spec terms still cancel ~100-fold.)
     """
     t = mu / sigma
     cdf, pdf = normal_cdf(t), normal_pdf(t)
@@ -293,7 +293,7 @@ def truncated_power_moment(mu: torch.Tensor, sigma: torch.Tensor, beta: float) -
     Args:
         mu: float tensor, any shape (broadcast with sigma).
         sigma: float tensor of standard deviations (>= 0), broadcastable.
-        beta: Python float >= 0. beta in {0, 1, 2, 3} uses the SPEC closed
+        beta: Python float >= 0. beta in {0, 1, 2, 3} uses the spec closed
             forms; any other value a Gauss-Jacobi / Gauss-Hermite quadrature
             (~1e-12 relative error; see _quadrature_moments). Exponents in
             (-1, 0) are accepted too (the integral over Y > 0 is finite): the
@@ -363,7 +363,7 @@ def solve_tau_hat(
     alpha: float,
     iters: int = TAU_HAT_ITERS,
 ) -> torch.Tensor:
-    """Estimate the entmax threshold from per-page Gaussian score models (SPEC Eq. 18).
+    """Estimate the entmax threshold from per-page Gaussian score models (docs/spec.md, Eq. 18).
 
     Solves, along the last dim,
 

@@ -1,4 +1,4 @@
-"""Approximation-quality metrics against full-cache attention (SPEC section 2).
+"""Approximation-quality metrics against full-cache attention (docs/spec.md §2).
 
 coverage = |I_keep| / n, dropped mass delta = sum of full-cache
 probability outside I_keep, support recall rho = |S & I_keep| / |S|,

@@ -1,4 +1,4 @@
-"""Page selection policies (SPEC section 5): each maps scores to a Selection.
+"""Page selection policies (docs/spec.md §5): each maps scores to a Selection.
 
 A policy is a small frozen dataclass of parameters; ``select`` turns it into
 fixed-shape tensors. Every policy always keeps the last (still filling)
@@ -12,8 +12,7 @@ selects for each query head separately.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -21,78 +20,9 @@ from .attention import attend, selection_mask
 from .cache import PagedKVCache
 from .gaussian import normal_icdf, pooled_moments, solve_tau_hat
 from .scoring import PageLayout, bound_slack, gaussian_stats, page_layout, quest_bounds
-from .types import Selection
+from .types import POLICIES, Certified, Full, Gaussian, Policy, Selection, TopK  # noqa: F401 (re-exported)
 
 
-@dataclass(frozen=True)
-class Full:
-    """Read every page: dense attention over the whole cache."""
-
-    per_query_head: bool = False
-    name = "full"
-
-
-@dataclass(frozen=True)
-class TopK:
-    """Quest-style top-k: the budget//page_size pages of highest Quest bound.
-
-    The forced pages (last page, sinks, window) come first; the rest of the
-    page budget goes to the highest-bound pages. With alpha = 1 this is Quest.
-
-    Attributes:
-        budget: token budget (>= page size); pages kept = max(budget // P, forced).
-    """
-
-    budget: int = 1024
-    sinks: int = 0
-    window: int = 0
-    per_query_head: bool = False
-    name = "topk"
-
-
-@dataclass(frozen=True)
-class Gaussian:
-    """Gaussian-aware selection with an estimated entmax threshold tau_hat.
-
-    Attributes:
-        q_max: quantile of a page's largest score used to screen it (z =
-            Phi^{-1}(q_max^(1/n)) for a page of n tokens).
-        margin: >= 0, in tau units: pages are kept when
-            (alpha-1) * (mu + z sigma) > tau_hat - margin.
-        pooled: one pooled Gaussian for the whole row instead of the
-            page mixture when solving for tau_hat (cheaper, coarser).
-    """
-
-    q_max: float = 0.995
-    margin: float = 0.0
-    pooled: bool = False
-    sinks: int = 0
-    window: int = 0
-    per_query_head: bool = False
-    name = "gaussian"
-
-
-@dataclass(frozen=True)
-class Certified:
-    """Selection that provably contains the entmax support (delta = 0).
-
-    Start from ``seed``'s selection A, solve tau_A exactly over it, then add
-    every page with (alpha-1) * u_p > tau_A. Because tau over a subset never
-    exceeds tau over a superset (SPEC section 1), every page still left out
-    satisfies (alpha-1) * u_p <= tau_A <= tau_{A'} <= tau_full: one
-    augmentation already certifies the result, so the loop of SPEC section 5
-    always stops after this round (its second pass adds nothing).
-    """
-
-    seed: Union[TopK, Gaussian] = field(default_factory=lambda: TopK(1024))
-    sinks: int = 0
-    window: int = 0
-    per_query_head: bool = False
-    name = "certified"
-
-
-Policy = Union[Full, TopK, Gaussian, Certified]
-POLICIES = {"full": Full, "topk": TopK, "gaussian": Gaussian, "certified": Certified}
 
 
 def check_policy(policy, *, alpha: float, page_size: int) -> None:
@@ -244,7 +174,7 @@ def select(
 
 def _select_gaussian(policy, q, cache, seq_ids, lay, forced, S, alpha, scale, slopes):
     """Gaussian-aware selection: estimate tau_hat, keep pages whose high
-    quantile clears it (SPEC section 5)."""
+    quantile clears it (docs/spec.md §5)."""
     B, HQ, _ = q.shape
     mu, sigma, n = gaussian_stats(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
     w = n[:, None, :].expand_as(mu)

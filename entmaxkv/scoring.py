@@ -1,4 +1,4 @@
-"""Page scoring from per-page key metadata (SPEC sections 3-5).
+"""Page scoring from per-page key metadata (docs/spec.md §3-5).
 
 Reference implementations (pure PyTorch, also the CPU path). Every function
 reads the cache's metadata through the block table and returns fixed-width
@@ -156,14 +156,14 @@ def gaussian_stats(
     slopes: Optional[torch.Tensor] = None,
     layout: Optional[PageLayout] = None,
 ):
-    """Per-page Gaussian model of a token's score (SPEC section 5).
+    """Per-page Gaussian model of a token's score (docs/spec.md §5).
 
     mu_p = scale * q.kmean_p + slope * (mean position of the page - pos_q)
     sigma_p^2 = scale^2 * sum_i q_i^2 std_{p,i}^2 + slope^2 * var(positions in the page)
 
     The positional term is the exact variance of the (deterministic) ALiBi
     bias over the page's tokens, (n^2 - 1) / 12 for n consecutive positions;
-    it vanishes without ALiBi, where this is exactly SPEC's diagonal model.
+    it vanishes without ALiBi, where this is exactly the spec's diagonal model.
 
     Returns:
         mu, sigma: float32 (float64 for float64 q) [B, HQ, M] (0 past the end);

@@ -1,4 +1,5 @@
-"""Small named types that cross pipeline stages.
+"""Small named types that cross pipeline stages: the policies (frozen
+parameter records), Selection, Pending and DecodeStats.
 
 Every field is a tensor of fixed shape (no Python lists on the hot path), so
 a decode step can be captured in a CUDA graph and sharded by pages.
@@ -6,7 +7,7 @@ a decode step can be captured in a CUDA graph and sharded by pages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -84,7 +85,7 @@ class DecodeStats:
                      (for softmax, alpha = 1: the log-sum-exp of the kept scores).
         certified:   bool, True when the result provably equals full-cache
                      attention: every unselected page has (alpha-1) * bound
-                     <= tau (SPEC section 5); always False for softmax unless
+                     <= tau (docs/spec.md §5); always False for softmax unless
                      every page was read.
     """
 
@@ -93,3 +94,77 @@ class DecodeStats:
     coverage: torch.Tensor
     tau: torch.Tensor
     certified: torch.Tensor
+
+
+# ----------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class Full:
+    """Read every page: dense attention over the whole cache."""
+
+    per_query_head: bool = False
+    name = "full"
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Quest-style top-k: the budget//page_size pages of highest Quest bound.
+
+    The forced pages (last page, sinks, window) come first; the rest of the
+    page budget goes to the highest-bound pages. With alpha = 1 this is Quest.
+
+    Attributes:
+        budget: token budget (>= page size); pages kept = max(budget // P, forced).
+    """
+
+    budget: int = 1024
+    sinks: int = 0
+    window: int = 0
+    per_query_head: bool = False
+    name = "topk"
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    """Gaussian-aware selection with an estimated entmax threshold tau_hat.
+
+    Attributes:
+        q_max: quantile of a page's largest score used to screen it (z =
+            Phi^{-1}(q_max^(1/n)) for a page of n tokens).
+        margin: >= 0, in tau units: pages are kept when
+            (alpha-1) * (mu + z sigma) > tau_hat - margin.
+        pooled: one pooled Gaussian for the whole row instead of the
+            page mixture when solving for tau_hat (cheaper, coarser).
+    """
+
+    q_max: float = 0.995
+    margin: float = 0.0
+    pooled: bool = False
+    sinks: int = 0
+    window: int = 0
+    per_query_head: bool = False
+    name = "gaussian"
+
+
+@dataclass(frozen=True)
+class Certified:
+    """Selection that provably contains the entmax support (delta = 0).
+
+    Start from ``seed``'s selection A, solve tau_A exactly over it, then add
+    every page with (alpha-1) * u_p > tau_A. Because tau over a subset never
+    exceeds tau over a superset (docs/spec.md §1), every page still left out
+    satisfies (alpha-1) * u_p <= tau_A <= tau_{A'} <= tau_full: one
+    augmentation already certifies the result, so the loop of docs/spec.md §5
+    always stops after this round (its second pass adds nothing).
+    """
+
+    seed: Union[TopK, Gaussian] = field(default_factory=lambda: TopK(1024))
+    sinks: int = 0
+    window: int = 0
+    per_query_head: bool = False
+    name = "certified"
+
+
+Policy = Union[Full, TopK, Gaussian, Certified]
+POLICIES = {"full": Full, "topk": TopK, "gaussian": Gaussian, "certified": Certified}

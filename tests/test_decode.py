@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from entmaxkv import Certified, Full, Gaussian, TopK, decode, dense_attention
-from helpers import alibi, random_cache, rel_err
+from entmaxkv.testing import alibi, random_cache, rel_err
 
 ALPHAS = [1.0, 1.5, 2.0, 1.25]
 

@@ -127,7 +127,7 @@ def test_threshold_defines_probabilities(alpha):
         manual = ((alpha - 1) * x - tau[:, None]).clamp_min(0) ** (1 / (alpha - 1))
         assert torch.allclose(manual, p, atol=1e-14, rtol=0)
         assert torch.equal(support, (p > 0).sum(-1))
-        # SPEC bracket: tau in [m - 1, m - n^(1-alpha)]
+        # the spec bracket: tau in [m - 1, m - n^(1-alpha)]
         m = ((alpha - 1) * x).amax(-1)
         n = (x > NEG_INF).sum(-1).to(x.dtype)
         assert (tau >= m - 1 - 1e-12).all() and (tau <= m - n ** (1 - alpha) + 1e-12).all()

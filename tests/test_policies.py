@@ -1,4 +1,4 @@
-"""Selection policies against brute-force definitions (SPEC section 5)."""
+"""Selection policies against brute-force definitions (docs/spec.md §5)."""
 from __future__ import annotations
 
 
@@ -10,7 +10,7 @@ from entmaxkv.attention import selection_mask
 from entmaxkv.gaussian import normal_icdf, solve_tau_hat
 from entmaxkv.policies import select
 from entmaxkv.scoring import gaussian_stats, quest_bounds
-from helpers import alibi, random_cache
+from entmaxkv.testing import alibi, random_cache
 
 P = 8
 

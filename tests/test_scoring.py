@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from entmaxkv.scoring import gaussian_stats, page_layout, quest_bounds
-from helpers import alibi, random_cache
+from entmaxkv.testing import alibi, random_cache
 
 
 def token_scores(q, k, n, scale, slopes):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from entmaxkv import Certified, Gaussian, TopK, decode
-from helpers import random_cache
+from entmaxkv.testing import random_cache
 
 
 @pytest.fixture()

@@ -4,7 +4,7 @@ Reference: ``entmaxkv.attention.certify`` and ``entmaxkv.policies.select``
 with ``Certified``. Shapes: B batch, HQ query heads, S selection heads,
 NG = HQ // S, M logical pages, W selection width.
 
-Monotonicity (SPEC section 1): tau over any kept set A is <= tau over all
+Monotonicity (docs/spec.md §1): tau over any kept set A is <= tau over all
 tokens, so a page with (alpha-1) * u_p <= tau_A holds no support token. The
 certified policy therefore needs one augmentation round: seed selection A,
 exact tau_A over it, then add every page with (alpha-1) * (u_p + slack) >
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..policies import TopK
+from ..types import TopK
 from ..types import Selection
 from ._common import ATOMIC_SEM, launch_opts, next_pow2, pdl_start
 from .attention import selection_tau

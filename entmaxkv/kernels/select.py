@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..policies import Certified, Full, Gaussian, TopK
+from ..types import Certified, Full, Gaussian, TopK
 from ..types import Selection
 from .topk import select_topk
 

@@ -5,7 +5,7 @@ Reference: ``entmaxkv.policies.select`` with ``Gaussian`` (and
 H KV heads, S selection heads, NG = HQ // S, M logical pages, P page size,
 NCH page chunks of CH pages.
 
-Model (SPEC section 5): a token score of page p is S_p ~ N(mu_p, sigma_p^2);
+Model (docs/spec.md §5): a token score of page p is S_p ~ N(mu_p, sigma_p^2);
 tau_hat solves F(tau) = sum_p n_p E[((alpha-1) S_p - tau)_+^beta] - 1 = 0, with
 closed forms for beta = 1, 2, 3 (alpha = 2, 1.5, 4/3). Page p is kept when
 (alpha-1) (mu_p + z_{n_p} sigma_p) > tau_hat - margin for any head of its
@@ -54,10 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import Selection
-from ._common import (ATOMIC_SEM, INLINE_PTX, as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms,
+from ...types import Selection
+from .._common import (ATOMIC_SEM, INLINE_PTX, as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms,
                       pdl_start)
-from .scoring import gauss_of, kv_row, load_moments, meta_strides, page_rows, prep_query, score_plan
+from ..scoring import gauss_of, kv_row, load_moments, meta_strides, page_rows, prep_query, score_plan
 
 # Halley iterations of the page-mixture solve (one launch each; a launch
 # after convergence only forwards the state).
@@ -764,7 +764,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         raise ValueError("policy: gaussian needs entmax (alpha > 1)")
     bk = _beta_kind3(alpha)
     if bk == 0:
-        from .. import policies as _ref
+        from ... import policies as _ref
 
         return _ref.select(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes)
     q = prep_query(q)

@@ -52,10 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import Pending, Selection
-from ._common import (as_slopes, cdiv, grid_ids, interpreting, launch_count, launch_opts, next_pow2, num_sms,
+from ...types import Pending, Selection
+from .._common import (as_slopes, cdiv, grid_ids, interpreting, launch_count, launch_opts, next_pow2, num_sms,
                       pdl_start, poll_start, publish, store_b32)
-from .scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
+from ..scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
 INF_KEY = tl.constexpr(0x7F800000)  # sortable_key(+inf): forced pages

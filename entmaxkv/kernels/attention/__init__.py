@@ -13,7 +13,7 @@ synchronises with the host:
    * softmax: online softmax over the share, also reading V; writes the
      partial (max, sum, accumulator) of each head.
    * entmax: computes x = (alpha-1) s and never reads V. Any subset's
-     threshold is <= the full threshold (SPEC section 1), so a running lower
+     threshold is <= the full threshold (docs/spec.md §1), so a running lower
      bound ``lb`` screens the tokens: only x > lb can be in the support. lb
      comes from the per-slot maxima seen so far (distinct tokens), raised by
      a Newton step from the left after each tile (valid because f is convex
@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import Selection
-from ._common import (
+from ...types import Selection
+from .._common import (
     as_slopes,
     beta_kind,
     cdiv,
@@ -383,7 +383,7 @@ def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr)
     """Raise the lower bounds b_lb [R] on tau from b_top [R, T].
 
     b_top[r, t] is the largest x seen so far in slot t: distinct tokens, so tau
-    over them is <= tau (a subset, SPEC section 1) and >= their max - 1. A
+    over them is <= tau (a subset, docs/spec.md §1) and >= their max - 1. A
     Newton step on their f from a point where it is >= 0 stays below that root
     (f convex for alpha <= 2): lb only grows, stays valid, and tightens as the
     slots collect the split's largest scores.

@@ -14,30 +14,26 @@ tau_hat sits at long context, so these tests compare
   6e-7 .. 1e-5 (relative) off there and fails; the stable form is within
   one float32 ulp of tau_hat.
 
-Like tests/test_kernels.py, this runs on Triton's CPU interpreter without a GPU.
+Like the other kernel tests, this runs on Triton's CPU interpreter without a GPU.
 """
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-from helpers import load_kernels  # noqa: E402
 
-K = load_kernels()
+import entmaxkv.kernels as K  # noqa: E402
+
 GK = importlib.import_module("entmaxkv.kernels.gaussian")
 
 from entmaxkv import Gaussian  # noqa: E402
 from entmaxkv.gaussian import normal_pdf, pooled_moments, solve_tau_hat, truncated_power_moment  # noqa: E402
-from helpers import alibi, random_cache  # noqa: E402
+from entmaxkv.testing import DEVICE as DEV, alibi, random_cache  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:overflow encountered:RuntimeWarning",
                                         "ignore:divide by zero encountered:RuntimeWarning")
