@@ -14,52 +14,11 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import attention, policies, scoring
+from . import attention, scoring
+from .backend import Backend, resolve_backend
 from .cache import PagedKVCache
 from .policies import Full, Policy, check_policy
-from .types import DecodeStats, Selection
-
-BACKENDS = ("auto", "reference", "triton")
-
-
-def _kernels():
-    """The Triton backend module, or None when Triton cannot be used here."""
-    try:
-        from . import kernels
-    except ImportError:
-        return None
-    available = getattr(kernels, "is_available", None)
-    return kernels if available is not None and available() else None
-
-
-def resolve_backend(backend: str, device: torch.device):
-    """Return the stage module (reference namespace or kernels) to run on."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
-        return _Reference
-    kern = _kernels()
-    if backend == "triton":
-        if kern is None:
-            raise ValueError(
-                "backend: 'triton' requested but Triton is not usable here "
-                "(install triton; on CPU set TRITON_INTERPRET=1)"
-            )
-        return kern
-    return kern if kern is not None else _Reference
-
-
-class _Reference:
-    """The reference stages under the names the kernels module exports."""
-
-    quest_bounds = staticmethod(scoring.quest_bounds)
-    select = staticmethod(policies.select)
-    attend = staticmethod(attention.attend)
-
-    @staticmethod
-    def certify(ub, sel, tau, alpha, seq_lens, *, page_size, slack=None):
-        return attention.certify(ub, sel, tau, alpha, seq_lens, page_size=page_size, slack=slack)
-
+from .types import DecodeStats
 
 def _seq_tensor(seq_ids, cache: PagedKVCache, batch: int) -> torch.Tensor:
     """Validate sequence ids against the host bookkeeping; int32 [B] on device."""
@@ -146,6 +105,7 @@ def decode(
     return_stats: bool = False,
     backend: str = "auto",
     check_finite: Optional[bool] = None,
+    kernel_config=None,
 ):
     """One decoding step of alpha-entmax (or softmax) attention over a paged cache.
 
@@ -172,6 +132,9 @@ def decode(
         check_finite: check q for NaN/inf. This costs one host synchronisation;
             the default (None) checks unless a CUDA graph is being captured.
             Pass False in a latency-critical loop.
+        kernel_config: the Triton kernels' launch choices
+            (``entmaxkv.kernels.KernelConfig``; None: the measured defaults).
+            Unused by the reference backend.
     Returns:
         out [batch, q_heads, head_dim] in q's dtype, or (out, DecodeStats).
         A head whose whole row is masked (cannot happen for a non-empty
@@ -193,7 +156,7 @@ def decode(
     ):
         raise ValueError(f"out: expected a tensor of shape {tuple(q.shape)}, dtype {q.dtype}, on {q.device}")
     ids = _seq_tensor(seq_ids, cache, B)
-    ops = resolve_backend(backend, q.device)
+    ops = resolve_backend(backend, q.device, kernel_config)
 
     sel, o, tau, ub = run_step(ops, policy, q, cache, ids, alpha, scale, slopes, need_bounds=return_stats)
     if out is not None:
@@ -204,30 +167,25 @@ def decode(
     return o, step_stats(ops, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slopes)
 
 
-def run_step(ops, policy, q, cache, ids, alpha, scale, slopes, *, need_bounds=False):
-    """Selection + attention with the chosen backend (no validation).
+def run_step(ops: Backend, policy, q, cache, ids, alpha, scale, slopes, *, need_bounds=False):
+    """Selection + attention on backend ``ops`` (no validation).
 
-    Returns (selection, out, tau, quest bounds or None).
+    Returns (selection, out, tau, quest bounds or None); the selection is
+    None for Full without ``need_bounds`` (the dense pass needs none).
     """
     # Bounds only for the certificate; selection computes what it needs itself
     # (the kernels fuse the bound into top-k), and the reference reuses these.
     ub = ops.quest_bounds(q, cache, ids, scale=scale, slopes=slopes) if need_bounds else None
-    if isinstance(policy, Full) and hasattr(ops, "dense_attend"):
+    if isinstance(policy, Full):
         o, tau = ops.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
-        sel = ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes) if need_bounds else None
+        sel = ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub) if need_bounds else None
         return sel, o, tau, ub
-    sel = _select(ops, policy, q, cache, ids, alpha, scale, slopes, ub)
+    sel = ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
     o, tau = ops.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes, tau_init=sel.tau_hat)
     return sel, o, tau, ub
 
 
-def _select(ops, policy, q, cache, ids, alpha, scale, slopes, ub) -> Selection:
-    if ops is _Reference:
-        return policies.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
-    return ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
-
-
-def step_stats(ops, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slopes) -> DecodeStats:
+def step_stats(ops: Backend, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slopes) -> DecodeStats:
     """Per-query-head statistics and the exactness certificate."""
     lay = scoring.page_layout(cache, ids)
     M = lay.n_tok.shape[1]

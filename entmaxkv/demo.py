@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from .cache import PagedKVCache
-from .decode import decode, resolve_backend, run_step
+from .backend import resolve_backend
+from .decode import decode, run_step
 from .metrics import evaluate_selection
 from .policies import Certified, Full, Gaussian, TopK
 

@@ -111,8 +111,9 @@ def test_selection_with_support_is_exact_and_certified():
         ref_out, p = dense_attention(q[0], k[0], v[0], alpha=1.5, scale=8 ** -0.5, length=300)
         out, stats = decode(q, cache, slots, TopK(16 * (1 + trial % 4)), alpha=1.5, return_stats=True)
         support_pages = set((p[0] > 0).nonzero().flatten().div(4, rounding_mode="floor").tolist())
-        from entmaxkv.decode import _Reference, run_step
-        sel, _, _, _ = run_step(_Reference, TopK(16 * (1 + trial % 4)), q, cache,
+        from entmaxkv.backend import REFERENCE
+        from entmaxkv.decode import run_step
+        sel, _, _, _ = run_step(REFERENCE, TopK(16 * (1 + trial % 4)), q, cache,
                                 torch.tensor(slots, dtype=torch.int32), 1.5, 8 ** -0.5, None)
         kept = set(sel.pages[0, 0, : int(sel.counts[0, 0])].tolist())
         if support_pages <= kept:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..decode import resolve_backend, run_step
+from ..backend import resolve_backend
+from ..decode import run_step
 from ..cache import PagedKVCache
 from ..metrics import evaluate_selection
 from ..model.data import load_split

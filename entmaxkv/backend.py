@@ -1,0 +1,99 @@
+"""The stage contract a decode step runs on, and its pure-PyTorch implementation.
+
+``Backend`` is what ``decode`` needs of a backend: bounds, selection,
+attention (sparse and dense) and the certificate, with the shapes below.
+``ReferenceBackend`` (this module: the CPU path and the oracle) and
+``entmaxkv.kernels.TritonBackend`` (the Triton kernels, with their launch
+config) both satisfy it, so the decode step has one code path.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple
+
+import torch
+
+from . import attention, policies, scoring
+from .cache import PagedKVCache
+from .types import Full, Policy, Selection
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+class Backend(Protocol):
+    """The stages of one decode step. Tensors: ``q`` [B, HQ, D]; ``seq_ids``
+    int32 [B] on the cache's device; ``slopes`` float32 [HQ] or None."""
+
+    name: str
+
+    def quest_bounds(self, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, *, scale: float,
+                     slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Quest upper bounds, float32 [B, HQ, max_pages] (-inf past the end)."""
+
+    def select(self, policy: Policy, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, *,
+               alpha: float, scale: float, slopes: Optional[torch.Tensor] = None,
+               ub: Optional[torch.Tensor] = None) -> Selection:
+        """The policy's pages; ``ub`` (the bounds above) may be reused when given."""
+
+    def attend(self, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, sel: Selection, *,
+               alpha: float, scale: float, slopes: Optional[torch.Tensor] = None,
+               tau_init: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Exact attention over the selected pages: (out [B, HQ, D] in q's dtype, tau float32 [B, HQ])."""
+
+    def dense_attend(self, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, *, alpha: float,
+                     scale: float, slopes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Attention over every page (the Full policy), same outputs as ``attend``."""
+
+    def certify(self, ub: torch.Tensor, sel: Selection, tau: torch.Tensor, alpha: float,
+                seq_lens: torch.Tensor, *, page_size: int, slack: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """bool [B, HQ]: every unselected page provably holds no support token (docs/spec.md §5)."""
+
+
+class ReferenceBackend:
+    """The pure-PyTorch stages (any device, float64 included)."""
+
+    name = "reference"
+
+    def quest_bounds(self, q, cache, seq_ids, *, scale, slopes=None):
+        return scoring.quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes)
+
+    def select(self, policy, q, cache, seq_ids, *, alpha, scale, slopes=None, ub=None):
+        return policies.select(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
+
+    def attend(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, tau_init=None):
+        return attention.attend(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init)
+
+    def dense_attend(self, q, cache, seq_ids, *, alpha, scale, slopes=None):
+        sel = policies.select(Full(), q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes)
+        return attention.attend(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes)
+
+    def certify(self, ub, sel, tau, alpha, seq_lens, *, page_size, slack=None):
+        return attention.certify(ub, sel, tau, alpha, seq_lens, page_size=page_size, slack=slack)
+
+
+REFERENCE = ReferenceBackend()
+
+
+def _triton_backend(config):
+    """The Triton backend with ``config``, or None when Triton cannot run here."""
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels.TritonBackend(config) if kernels.is_available() else None
+
+
+def resolve_backend(backend: str, device: torch.device, config=None) -> Backend:
+    """The backend to run on: ``backend`` is "auto" (Triton on CUDA when it is
+    usable, else the reference), "reference" or "triton"; ``config`` is the
+    kernels' KernelConfig (None: defaults; unused by the reference)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+        return REFERENCE
+    kern = _triton_backend(config)
+    if backend == "triton" and kern is None:
+        raise ValueError(
+            "backend: 'triton' requested but Triton is not usable here "
+            "(install triton; on CPU set TRITON_INTERPRET=1)"
+        )
+    return kern if kern is not None else REFERENCE
