@@ -19,7 +19,7 @@ _DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 # "session" as in a work session; a decode session (model/generate.py) is an object
 _SESSION = re.compile(r"(?<!decode )\bsessions?\b", re.IGNORECASE)
 # a word of 7-40 hex digits with both a letter and a digit, not a 0x literal
-_HASH = re.compile(r"(?<![0-9A-Za-z_])(?!0x)(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+_HASH = re.compile(r"(?<![0-9A-Za-z_.])(?!0x)(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
 
 
 def _package_files():
@@ -31,6 +31,7 @@ def test_rules_find_what_they_forbid():
     assert not _SESSION.search("a decode session over per-layer caches")
     assert _HASH.search("as of commit 1e6bc7a") and not _HASH.search("INF_KEY = 0x7F800000")
     assert not _HASH.search("float16 bfloat16 deadbeef")  # letters only is a word, not a hash
+    assert not _HASH.search("x * 1.1920928955078125e-07")  # digits of a float literal
 
 
 def test_no_history_in_the_package():

@@ -5,10 +5,14 @@ Stage functions, with the reference signatures (docs/contracts.md):
     quest_bounds(q, cache, seq_ids, *, scale, slopes=None)          scoring.py
     gaussian_stats(q, cache, seq_ids, *, scale, slopes=None)        scoring.py
     select(policy, q, cache, seq_ids, *, alpha, scale, slopes)      select.py
-        (topk.py, gaussian.py, certified.py)
+        (topk/, gaussian/, certified.py)
     attend(q, cache, seq_ids, sel, *, alpha, scale, slopes, tau_init=None)
-    dense_attend(q, cache, seq_ids, *, alpha, scale, slopes)        attention.py
+    dense_attend(q, cache, seq_ids, *, alpha, scale, slopes)        attention/
     certify(ub, sel, tau, alpha, seq_lens, *, page_size, slack=None) certified.py
+
+Each also takes ``config``: a ``KernelConfig`` (config.py) of launch choices,
+None for the defaults. ``TritonBackend`` (backend.py) bundles them under the
+``entmaxkv.backend.Backend`` contract that ``decode`` runs on.
 
 They run on CUDA tensors, or on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this package is imported). Nothing reads a
@@ -20,11 +24,18 @@ import torch
 
 from ._common import interpreting
 from .attention import attend, dense_attend
+from .backend import TritonBackend
 from .certified import certify
+from .config import AttentionConfig, GaussianConfig, KernelConfig, TopKConfig
 from .scoring import gaussian_stats, quest_bounds
 from .select import select
 
 __all__ = [
+    "AttentionConfig",
+    "GaussianConfig",
+    "KernelConfig",
+    "TopKConfig",
+    "TritonBackend",
     "attend",
     "certify",
     "dense_attend",

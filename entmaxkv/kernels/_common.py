@@ -18,12 +18,6 @@ try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-# Programmatic dependent launch of the decode step's kernels (sm_90+): a
-# kernel's programs may be scheduled while its predecessor drains, then wait
-# (gdc_wait) for it to finish before touching memory, hiding the launch gap
-# between the step's dependent launches. Off on the interpreter, before
-# Hopper and when Triton lacks it; tests and benchmarks switch it.
-PDL = True
 # Memory order of the selections' atomics (a row's page-count reservation,
 # the certificate's violation flag). Nothing in the same launch reads what
 # they order; later launches see every write at the kernel boundary. Triton's
@@ -43,13 +37,18 @@ def launch_count() -> int:
     return _LAUNCHES
 
 
-def launch_opts(device: torch.device) -> dict:
+def launch_opts(device: torch.device, pdl: bool) -> dict:
     """Launch keywords of a step kernel: its PDL constexpr and, when on,
     Triton's ``launch_pdl`` option (the two must agree: a PDL launch whose
-    kernel does not wait could read its predecessor's output early)."""
+    kernel does not wait could read its predecessor's output early).
+
+    ``pdl`` (KernelConfig.pdl) asks for programmatic dependent launch: a
+    kernel's programs may be scheduled while its predecessor drains, then
+    wait (gdc_wait) for it before touching memory. It stays off on the
+    interpreter, before Hopper and when Triton lacks it."""
     global _LAUNCHES
     _LAUNCHES += 1
-    on = (PDL and gdc_wait is not None and not interpreting() and device.type == "cuda"
+    on = (pdl and gdc_wait is not None and not interpreting() and device.type == "cuda"
           and _capability(device)[0] >= 9)
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 

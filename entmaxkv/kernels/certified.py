@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..types import TopK
 from ..types import Selection
+from .config import resolve
 from ._common import ATOMIC_SEM, launch_opts, next_pow2, pdl_start
 from .attention import selection_tau
 from .scoring import bounds_with_slack, prep_query
@@ -126,7 +127,7 @@ def _certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_ptr,
 # ---------------------------------------------------------------------------
 
 
-def page_mask(sel: Selection, B: int, S: int, M: int) -> torch.Tensor:
+def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True) -> torch.Tensor:
     """uint8 [B, S, M] mask of the selected logical pages (S may differ from sel's heads)."""
     pages = sel.pages.to(torch.int32).contiguous()
     counts = sel.counts.to(torch.int32).contiguous()
@@ -135,19 +136,19 @@ def page_mask(sel: Selection, B: int, S: int, M: int) -> torch.Tensor:
     if W == 0:
         return mask
     block_w = min(1024, next_pow2(W))
-    opts = launch_opts(mask.device)
+    opts = launch_opts(mask.device, pdl)
     _mark_kernel[(B * S_src, triton.cdiv(W, block_w))](
         pages, counts, mask, W, M, S_SRC=S_src, S_DST=S, BLOCK_W=block_w, num_warps=4, **opts,
     )
     return mask
 
 
-def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced):
+def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced, pdl):
     M = mask.shape[2]
     pages = torch.empty(B, S, M, dtype=torch.int32, device=mask.device)  # padding past counts is never read
     counts = torch.zeros(B, S, dtype=torch.int32, device=mask.device)  # atomic list lengths
     block_m = 256 if NG <= 4 else 64
-    opts = launch_opts(mask.device)
+    opts = launch_opts(mask.device, pdl)
     _augment_kernel[(B * S, triton.cdiv(M, block_m))](
         ubs if ubs is not None else mask, mask, tau if tau is not None else mask, ids, cache.seq_lens,
         pages, counts,
@@ -158,7 +159,8 @@ def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, 
     return Selection(pages, counts)
 
 
-def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None) -> Selection:
+def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None,
+                     config=None) -> Selection:
     """Certified selection (Triton): seed, tau over the seed, one augmentation.
 
     Args:
@@ -168,7 +170,9 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
         Selection(pages int32 [batch, S, M] unsorted, counts int32 [batch, S]),
         S = q_heads if policy.per_query_head else kv_heads, whose pages provably
         contain the alpha-entmax support of every query head.
+    ``config``: the kernels' launch choices (KernelConfig; None: defaults).
     """
+    cfg = resolve(config)
     if alpha <= 1.0:
         raise ValueError("policy: certified needs entmax (alpha > 1)")
     q = prep_query(q)
@@ -182,19 +186,20 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     if isinstance(seed, TopK):
         ubs = torch.empty(B, HQ, M, dtype=torch.float32, device=q.device)
         seed_sel = select_topk(q, cache, ids, budget=seed.budget, sinks=seed.sinks, window=seed.window,
-                               per_query_head=seed.per_query_head, scale=scale, slopes=slopes, ub=ubs)
+                               per_query_head=seed.per_query_head, scale=scale, slopes=slopes, ub=ubs,
+                               config=cfg)
     else:
         from .gaussian import select_gaussian
 
-        seed_sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+        seed_sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=cfg)
         ubs = bounds_with_slack(q, cache, ids, scale=scale, slopes=slopes)
     # tau_A per query head over the seed as selected (per KV group or per query
     # head): any subset gives a valid lower bound on the full-cache tau.
     tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
-                          tau_init=seed_sel.tau_hat)
-    mask = page_mask(seed_sel, B, S, M)  # union over / copy to the certified selection heads
+                          tau_init=seed_sel.tau_hat, config=cfg)
+    mask = page_mask(seed_sel, B, S, M, cfg.pdl)  # union over / copy to the certified selection heads
     return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
-                    window=policy.window, add=True, forced=True)
+                    window=policy.window, add=True, forced=True, pdl=cfg.pdl)
 
 
 def certify(
@@ -206,6 +211,7 @@ def certify(
     *,
     page_size: int,
     slack: Optional[torch.Tensor] = None,
+    config=None,
 ) -> torch.Tensor:
     """Per-head certificate that sparse attention equals full-cache attention.
 
@@ -219,6 +225,7 @@ def certify(
         tau: float [batch, q_heads] exact thresholds over the selection.
         alpha: >= 1; seq_lens: int [batch] sequence lengths (one per row).
         page_size: tokens per page; slack: optional float [batch, q_heads, M].
+        config: the kernels' launch choices (KernelConfig; None: defaults).
     Returns:
         bool [batch, q_heads].
     """
@@ -229,10 +236,11 @@ def certify(
     sl32 = slack.to(torch.float32).contiguous() if slack is not None else ub32
     tau32 = tau.to(device=dev, dtype=torch.float32).contiguous()
     lens = seq_lens.to(device=dev, dtype=torch.int64).contiguous()
-    mask = page_mask(sel, B, S, M)
+    pdl = resolve(config).pdl
+    mask = page_mask(sel, B, S, M, pdl)
     viol = torch.zeros(B * HQ, dtype=torch.int32, device=dev)
     block_m = 512
-    opts = launch_opts(dev)
+    opts = launch_opts(dev, pdl)
     _certify_kernel[(B * HQ, triton.cdiv(M, block_m))](
         ub32, sl32, mask, tau32, lens, viol,
         float(alpha - 1.0), M, HQ,

@@ -1,7 +1,8 @@
 """KernelConfig: every launch choice of the decode step's kernels, in one value.
 
 Each stage has its own frozen dataclass (``AttentionConfig``, ``TopKConfig``,
-``GaussianConfig``); their defaults are the measured best on the H200
+``GaussianConfig``), defined here so that this module imports nothing of the
+kernels (every kernel module imports it); their defaults are the measured best on the H200
 (docs/tuning.md). Public kernel entry points take ``config=None`` (the
 defaults); tests and benchmarks pass a config instead of changing modules.
 """
@@ -9,9 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .attention.config import AttentionConfig
-from .gaussian.config import GaussianConfig
-from .topk.config import TopKConfig
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch choices of the sparse and dense attention kernels (kernels/attention)."""
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    """Launch choices of the top-k selection kernels (kernels/topk)."""
+
+
+@dataclass(frozen=True)
+class GaussianConfig:
+    """Launch choices of the Gaussian selection kernels (kernels/gaussian)."""
 
 __all__ = ["AttentionConfig", "GaussianConfig", "KernelConfig", "TopKConfig", "resolve"]
 

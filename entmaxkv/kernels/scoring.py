@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import resolve
 from ._common import as_slopes, dot_flags, interpreting, next_pow2
 
 # ---------------------------------------------------------------------------
@@ -331,6 +332,7 @@ def quest_bounds(
     *,
     scale: float,
     slopes: Optional[torch.Tensor] = None,
+    config=None,
 ) -> torch.Tensor:
     """Quest upper bound of every logical page's scores, per query head.
 
@@ -345,6 +347,7 @@ def quest_bounds(
     Returns:
         float32 [batch, q_heads, M]; -inf for pages past the sequence end.
     """
+    resolve(config)  # (the scoring kernel has no launch choices; checked for a uniform signature)
     u, _, _ = _score(q, cache, seq_ids, scale, slopes, gauss=False)
     return u
 
@@ -363,6 +366,7 @@ def gaussian_stats(
     *,
     scale: float,
     slopes: Optional[torch.Tensor] = None,
+    config=None,
 ):
     """Per-page Gaussian model of a token's score (Triton twin of the reference).
 
@@ -371,4 +375,5 @@ def gaussian_stats(
         mu, sigma: float32 [batch, q_heads, M] (0 past the end);
         n_tok: float32 [batch, M], valid tokens per page.
     """
+    resolve(config)  # (no launch choices, as in quest_bounds)
     return _score(q, cache, seq_ids, scale, slopes, gauss=True)

@@ -12,6 +12,7 @@ import torch
 
 from ..types import Certified, Full, Gaussian, TopK
 from ..types import Selection
+from .config import resolve
 from .topk import select_topk
 
 
@@ -36,6 +37,7 @@ def select(
     alpha: float,
     scale: float,
     slopes: Optional[torch.Tensor] = None,
+    config=None,
 ) -> Selection:
     """Choose pages for a batch of queries with the Triton kernels.
 
@@ -45,23 +47,26 @@ def select(
         cache: PagedKVCache; seq_ids: int32/int64 [batch] slots on its device.
         alpha: >= 1 (Gaussian and Certified need alpha > 1).
         scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
+        config: the kernels' launch choices (KernelConfig; None: defaults).
     Returns:
         Selection with pages int32 [batch, S, W] (unsorted within the first
         counts[b, s] entries, zeros after), counts int32 [batch, S] and, for
         Gaussian / Certified, tau_hat float32 [batch, q_heads].
     """
+    config = resolve(config)
     if isinstance(policy, Full):
         return select_full(q, cache, seq_ids, policy.per_query_head)
     if isinstance(policy, TopK):
         return select_topk(q, cache, seq_ids, budget=policy.budget, sinks=policy.sinks,
                            window=policy.window, per_query_head=policy.per_query_head,
-                           scale=scale, slopes=slopes)
+                           scale=scale, slopes=slopes, config=config)
     if isinstance(policy, Gaussian):
         from .gaussian import select_gaussian
 
-        return select_gaussian(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes)
+        return select_gaussian(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, config=config)
     if isinstance(policy, Certified):
         from .certified import select_certified
 
-        return select_certified(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes)
+        return select_certified(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes,
+                                config=config)
     raise ValueError(f"policy: unknown policy {policy!r}")

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ...types import Selection
+from ..config import resolve
 from .._common import (
     as_slopes,
     beta_kind,
@@ -1183,7 +1184,7 @@ def _check_inputs(q: torch.Tensor, cache) -> None:
 
 def _run(
     q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
-    alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None,
+    alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None, pdl: bool = True,
 ):
     """Launch the split pass and the finishing kernels; returns (out or None, tau).
     ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
@@ -1236,7 +1237,7 @@ def _run(
     pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev) if softmax or (want_out and not finish) else pm
     newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
     lb_mode = LB_MODE[cfg["PATH"]] if newton <= 1 else 0  # the fused step takes one Newton step at most
-    opts = launch_opts(dev)
+    opts = launch_opts(dev, pdl)
     # POLL_READY: the split programs wait for their own rows; with one query
     # head per row and two launches (split, then finish or combine) the
     # second waits for its rows' split programs too
@@ -1330,6 +1331,7 @@ def attend(
     scale: float,
     slopes: Optional[torch.Tensor] = None,
     tau_init: Optional[torch.Tensor] = None,
+    config=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact alpha-entmax (alpha = 1: softmax) attention over the selected pages.
 
@@ -1380,7 +1382,8 @@ def attend(
             raise ValueError(f"sel: pending.counters must be a contiguous int32 [2, {B}, {S}] tensor on "
                              f"{q.device}, got {ready.dtype} {tuple(ready.shape)} on {ready.device}")
     return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,
-                alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init, ready=ready)
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init, ready=ready,
+                pdl=resolve(config).pdl)
 
 
 def dense_attend(
@@ -1391,6 +1394,7 @@ def dense_attend(
     alpha: float,
     scale: float,
     slopes: Optional[torch.Tensor] = None,
+    config=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Full-cache attention (the ``Full`` policy) without a Selection.
 
@@ -1404,16 +1408,16 @@ def dense_attend(
     """
     M = cache.block_table.shape[1]
     return _run(q, cache, seq_ids, None, None, cache.kv_heads, M, True,
-                alpha=alpha, scale=scale, slopes=slopes, tau_init=None)
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=None, pdl=resolve(config).pdl)
 
 
 def selection_tau(q, cache, seq_ids, sel: Selection, *, alpha: float, scale: float,
-                  slopes=None, tau_init=None) -> torch.Tensor:
+                  slopes=None, tau_init=None, config=None) -> torch.Tensor:
     """tau [batch, q_heads] over the selected pages without computing the output
     (entmax only; used by the certified policy)."""
     B, HQ, _ = q.shape
     S, W = sel.pages.shape[1], sel.pages.shape[2]
     _, tau = _run(q, cache, seq_ids, sel.pages.to(torch.int32).contiguous(), sel.counts.to(torch.int32),
                   S, max(W, 1), False, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init,
-                  want_out=False)
+                  want_out=False, pdl=resolve(config).pdl)
     return tau

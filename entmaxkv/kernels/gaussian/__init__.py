@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ...types import Selection
+from ..config import resolve
 from .._common import (ATOMIC_SEM, INLINE_PTX, as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms,
                       pdl_start)
 from ..scoring import gauss_of, kv_row, load_moments, meta_strides, page_rows, prep_query, score_plan
@@ -746,7 +747,8 @@ def _beta_kind3(alpha: float) -> int:
     return 0
 
 
-def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None) -> Selection:
+def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None,
+                    config=None) -> Selection:
     """Gaussian-aware selection (Triton).
 
     Args:
@@ -785,7 +787,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     am1, beta = float(alpha - 1.0), float(1.0 / (alpha - 1.0))
     mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
     sg = torch.empty_like(mu)
-    opts = launch_opts(dev)
+    opts = launch_opts(dev, resolve(config).pdl)
     NC = cfg["NCS"]
     stages = {} if cfg["SSTAGES"] is None else dict(num_stages=cfg["SSTAGES"])
     pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read

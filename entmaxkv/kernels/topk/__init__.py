@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ...types import Pending, Selection
+from ..config import resolve
 from .._common import (as_slopes, cdiv, grid_ids, interpreting, launch_count, launch_opts, next_pow2, num_sms,
                       pdl_start, poll_start, publish, store_b32)
 from ..scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
@@ -888,7 +889,7 @@ def _rowsel_kernel(
 
 
 def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, window: int,
-                k_pages: int, *, has_alibi: bool, cnt: Optional[torch.Tensor] = None) -> dict:
+                k_pages: int, *, has_alibi: bool, cnt: Optional[torch.Tensor] = None, pdl: bool = True) -> dict:
     """Launch _keys_kernel (one query head per KV head): rank keys of every
     page and head into ``keys`` [B * H * MK] int32 and, when ``ub`` is given,
     the certified bounds into it. ``sl``: as_slopes output; ``ids``: int32
@@ -901,7 +902,7 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
     M = cache.block_table.shape[1]
     smp, smh = meta_strides(cache)
     kp = keys_plan(B, MK, H, D, num_sms(q.device))
-    opts = launch_opts(q.device)
+    opts = launch_opts(q.device, pdl)
     nchk = cdiv(MK, kp["KCH"])
     _keys_kernel[(nchk, B) if cnt is not None else (B, nchk)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if ub is not None else keys,
@@ -975,7 +976,7 @@ def rowsel_plan(MK: int, CH: int, W: int) -> Tuple[int, int, dict]:
 def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
                   pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
                   P: int, *, cnt: Optional[torch.Tensor] = None, nchk: int = 0,
-                  ready: Optional[torch.Tensor] = None) -> tuple:
+                  ready: Optional[torch.Tensor] = None, pdl: bool = True) -> tuple:
     """A whole selection from a key table: _gmax_kernel, then one
     _rowsel_kernel program per row. keys: int32 [B * S * MK] (row b * S + s,
     INT32_MIN past the row's pages); ids: int32 [B] cache slots; pages /
@@ -988,7 +989,7 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     is raised to 1 once its pages and count are stored. Returns the
     launch's scratch tensors (Pending.hold)."""
     B, S, W = pages.shape
-    opts = launch_opts(keys.device)
+    opts = launch_opts(keys.device, pdl)
     groups, NKP, rp = rowsel_plan(MK, CH, W)
     if cnt is None:
         gmax = launch_gmax(keys, B * S, MK, CH, groups, opts, ready=ready)[0]
@@ -1025,6 +1026,7 @@ def select_topk(
     scale: float,
     slopes: Optional[torch.Tensor] = None,
     ub: Optional[torch.Tensor] = None,
+    config=None,
 ) -> Selection:
     """Quest top-k selection (Triton), fused with the bound computation.
 
@@ -1063,7 +1065,7 @@ def select_topk(
     MK = NCH * CH
     keys = torch.empty(B * S * MK, dtype=torch.int32, device=dev)
     write_ub = ub is not None
-    opts = launch_opts(dev)
+    opts = launch_opts(dev, resolve(config).pdl)
     prefilter = all_heads and PREFILTER
     # the overlapped selection (use_overlap) publishes the keys per batch row; not with the
     # certified bounds, which later launches read (they wait for the selection, not the keys pass)
@@ -1080,10 +1082,11 @@ def select_topk(
         ready = torch.empty(2, B, S, dtype=torch.int32, device=dev)
     if all_heads:
         kp = launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
-                         has_alibi=slopes is not None, cnt=cnt)
+                         has_alibi=slopes is not None, cnt=cnt, pdl=opts["PDL"])
     if rowsel:
         scratch = launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window),
-                                k_pages, P, cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0, ready=ready)
+                                k_pages, P, cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0, ready=ready,
+                                pdl=opts["PDL"])
         # (the attention may start while this selection, and overlapped the
         # keys pass, still read q, the slopes, ids and the key table)
         return Selection(pages, counts, pending=Pending(ready, launch_count(), (q, sl, ids, keys) + scratch))
