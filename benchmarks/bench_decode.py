@@ -21,9 +21,10 @@ rows from the contiguous copy), which covers batch 8 x 512k and 1M tokens.
 
 Usage (on the GPU machine, from the repository root):
 
-    PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results
-    PYTHONPATH=. python benchmarks/bench_decode.py --configs paper_32k --methods full_softmax,sdpa
-    PYTHONPATH=. python benchmarks/bench_decode.py --configs paper_1m --methods gaussian \
+    python -m benchmarks.bench_decode --out benchmarks/results
+    python -m benchmarks.bench_decode --configs paper_32k --methods full_softmax,sdpa
+    python -m benchmarks.bench_decode --configs paper_128k --config pdl=False   # a launch-config variant
+    python -m benchmarks.bench_decode --configs paper_1m --methods gaussian \
         --set "attention.SPLIT_MIN_TOKENS={False: 512, True: 4096}"   # an A/B variant of a kernel knob
 """
 from __future__ import annotations
@@ -39,9 +40,10 @@ from datetime import datetime, timezone
 
 import torch
 
-from entmaxkv.cache import PagedKVCache
 from entmaxkv.entmax import entmax_from_tau, entmax_threshold
-from entmaxkv.policies import Certified, Gaussian, TopK
+from entmaxkv.types import Certified, Gaussian, TopK
+
+from .harness import build, capture, kernel_config, set_knobs, time_graph
 
 COPY_BW = 4.26e12  # bytes/s, device-to-device copy bandwidth of the H200 (anchors/)
 
@@ -70,49 +72,9 @@ METHODS = {
 }
 
 
-def knob_value(module, name: str, text: str):
-    """The Python literal ``text`` as a value for the knob ``module.name``:
-    wrapped in tl.constexpr when the knob is one (a global read inside
-    kernels must stay constexpr)."""
-    import triton.language as tl
-
-    value = eval(text)  # noqa: S307  (a tuning script's own command line)
-    return tl.constexpr(value) if isinstance(getattr(module, name, None), tl.constexpr) else value
-
-
-def set_knobs(items):
-    """Apply "MODULE.NAME=VALUE" overrides to entmaxkv.kernels.MODULE (a
-    tuning script's --set options; VALUE is a Python literal), echoing each."""
-    import importlib
-
-    for item in items:
-        target, value = item.split("=", 1)
-        mod, name = target.rsplit(".", 1)
-        module = importlib.import_module(f"entmaxkv.kernels.{mod}")
-        setattr(module, name, knob_value(module, name, value))
-        print(f"# {target} = {value}")
-
-
-def build(cfg, seed=0):
-    """Paged cache + contiguous [B, H, n, D] copies of K and V + queries."""
-    B, n, HQ, H, D, dtype, P = cfg
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    k4 = torch.randn(B, H, n, D, device="cuda", dtype=dtype, generator=gen)
-    v4 = torch.randn(B, H, n, D, device="cuda", dtype=dtype, generator=gen)
-    npages = -(-n // P)
-    cache, slots = PagedKVCache.from_dense(
-        k4.transpose(1, 2), v4.transpose(1, 2), [n] * B, P, dtype=dtype, spare_pages=B,
-        shuffle=True, generator=torch.Generator().manual_seed(seed), device="cuda",
-        max_pages_per_seq=npages,
-    )
-    q = torch.randn(B, HQ, D, device="cuda", dtype=dtype, generator=gen)
-    ids = torch.tensor(slots, dtype=torch.int32, device="cuda")
-    torch.cuda.synchronize()
-    return cache, ids, q, k4, v4
-
-
-def make_step(K, method, cache, ids, q, k4, v4, scale):
-    """A closure running one decode step; returns (out, sel or None, tau or None)."""
+def make_step(K, method, cache, ids, q, k4, v4, scale, config=None):
+    """A closure running one decode step; returns (out, sel or None, tau or None).
+    ``config``: the kernels' KernelConfig (None: defaults)."""
     alpha, pol = METHODS[method]
     if pol == "sdpa":
         HQ, H = q.shape[1], k4.shape[1]
@@ -125,55 +87,15 @@ def make_step(K, method, cache, ids, q, k4, v4, scale):
         return step
     if pol is None:
         def step():
-            o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale)
+            o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, config=config)
             return o, None, tau
         return step
 
     def step():
-        sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
-        o, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, tau_init=sel.tau_hat)
+        sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, config=config)
+        o, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, tau_init=sel.tau_hat, config=config)
         return o, sel, tau
     return step
-
-
-def capture(step):
-    """Warm up (compiles) on a side stream, then capture one step in a graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        res = step()
-    torch.cuda.synchronize()
-    return g, res
-
-
-def time_graph(g, flush, warmup, reps, warm_ms=0.0):
-    """(median ms, sorted ms) of ``reps`` replays, each after an L2 flush,
-    following at least ``warmup`` untimed replays and at least ``warm_ms`` of
-    them: a GPU that has just been idle runs the first milliseconds slower
-    (single-method runs read 5-7% slower than the same step timed after
-    other methods, results/experiments.log)."""
-    t0 = time.perf_counter()
-    i = 0
-    while i < warmup or (time.perf_counter() - t0) * 1e3 < warm_ms:
-        g.replay()
-        i += 1
-        if i % 4 == 0:  # the host clock follows the device, not the launch queue
-            torch.cuda.synchronize()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for e0, e1 in evs:
-        flush.zero_()
-        e0.record()
-        g.replay()
-        e1.record()
-    torch.cuda.synchronize()
-    ts = sorted(e0.elapsed_time(e1) for e0, e1 in evs)
-    return ts[len(ts) // 2], ts
 
 
 def nbytes(cfg, method, sel, seed_counts=None):
@@ -284,11 +206,15 @@ def main(argv=None):
                     help="untimed replays go on for at least this long (after --warmup of them)")
     ap.add_argument("--check", action="store_true", help="compare outputs with a float32 reference")
     ap.add_argument("--out", default=None, help="folder for bench_decode.json / .png")
+    ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
+                    help="a KernelConfig field for every kernel call (A/B runs), e.g. pdl=False; "
+                         "recorded in the JSON")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="override a knob of entmaxkv.kernels.MODULE first (A/B runs), e.g. "
+                    help="override a module-level knob of entmaxkv.kernels.MODULE first (A/B runs), e.g. "
                          "attention.PREFETCH_PAGES=False; recorded in the JSON")
     args = ap.parse_args(argv)
     set_knobs(args.set)
+    kcfg = kernel_config(args.config)
 
     from entmaxkv import kernels as K
 
@@ -299,8 +225,8 @@ def main(argv=None):
         gpu=torch.cuda.get_device_name(), torch=torch.__version__,
         triton=__import__("triton").__version__, python=platform.python_version(),
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        command="PYTHONPATH=. python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-        knobs=args.set, copy_bandwidth_Bps=COPY_BW,
+        command="python -m benchmarks.bench_decode " + " ".join(sys.argv[1:]),
+        knobs=args.set, config=args.config, copy_bandwidth_Bps=COPY_BW,
         timing="CUDA-graph replay, CUDA events, L2 flushed before each timed replay, "
         f"at least {args.warmup} warm-ups and {args.warm_ms:g} ms of them, median of {args.reps}",
     )
@@ -315,7 +241,7 @@ def main(argv=None):
             row = dict(config=cname, method=meth, batch=B, n=n, q_heads=HQ, kv_heads=H, head_dim=D,
                        dtype=str(dtype).replace("torch.", ""), page=P)
             try:
-                step = make_step(K, meth, cache, ids, q, k4, v4, scale)
+                step = make_step(K, meth, cache, ids, q, k4, v4, scale, kcfg)
                 g, res = capture(step)
                 ms, ts = time_graph(g, flush, args.warmup, args.reps, args.warm_ms)
                 total, cov, _ = nbytes(cfg, meth, res[1])

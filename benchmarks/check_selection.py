@@ -10,7 +10,7 @@ early (against the same kernels with CONV_TOL = 0 and 8 launches), with the
 number of pages its selection and the reference's differ by (borderline
 pages at a tau_hat rounded differently).
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/check_selection.py --configs paper_128k,paper_b1_2m
+    python -m benchmarks.check_selection --configs paper_128k,paper_b1_2m
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ import sys
 
 import torch
 
-from bench_decode import CONFIGS, build
+from .bench_decode import CONFIGS
+from .harness import build
 from entmaxkv import Gaussian, TopK
 from entmaxkv import kernels as K
 from entmaxkv import policies as RP
-from gpu_check import sets, tau_hat_f64
+from .gpu_check import sets, tau_hat_f64
 
 # relative tau_hat error that fails the Gaussian check (float32 tau_hat over
 # float32 page statistics: a few 1e-7)

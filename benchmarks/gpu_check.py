@@ -8,7 +8,7 @@ prints one line per case plus a summary; exits 1 on any failure. Large
 shapes (batch 8 x 512k and 1M tokens) are checked by
 ``bench_decode.py --check``.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--quick] [--only overlapped,finish,...]
+    python -m benchmarks.gpu_check [--quick] [--only overlapped,finish,...]
 
 ``--only`` runs just the named sweeps: ``cases`` (the per-case grid),
 ``overlapped`` (the overlapped top-k step replayed many times), ``dense``
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench_decode import capture
+from .harness import capture
 from entmaxkv import attention as RA
 from entmaxkv import policies as RP
 from entmaxkv import scoring as RS

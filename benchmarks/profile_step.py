@@ -7,7 +7,7 @@ the tool behind the kernel choices recorded in docs/kernels.md.
 
 Usage (on the GPU machine, from the repository root):
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/profile_step.py \
+    python -m benchmarks.profile_step \
         --configs paper_128k --methods quest_topk1024,gaussian
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_decode import CONFIGS, METHODS, build, capture, make_step, set_knobs, time_graph
+from .bench_decode import CONFIGS, METHODS, make_step
+from .harness import build, capture, set_knobs, time_graph
 
 
 def kernel_times(step, iters: int):

@@ -2,7 +2,7 @@
 pages (as stored, and as sets) or output differ from the first replay, per
 kernel-knob variant (a diagnostic for races between overlapped launches).
 
-    PYTHONPATH=.:benchmarks python benchmarks/race_probe.py [--reps 100]
+    python -m benchmarks.race_probe [--reps 100]
 """
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import math
 
 import torch
 
-from bench_decode import capture
+from .harness import capture
 from entmaxkv import kernels as K
 from entmaxkv import policies as RP
-from gpu_check import alibi, make
+from .gpu_check import alibi, make
 
-import entmaxkv.kernels._common as C  # noqa: E402
 import entmaxkv.kernels.attention as A  # noqa: E402
 import entmaxkv.kernels.topk as T  # noqa: E402
+from entmaxkv.kernels.config import KernelConfig  # noqa: E402
 
 SHAPES = {  # name: (lens, H, D, P, dtype, alibi, policy, alpha)
     "odd-softmax-alibi": ([20001, 5, 9000, 17], 6, 64, 8, torch.bfloat16, True, RP.TopK(512, sinks=2, window=1), 1.0),
@@ -28,11 +28,12 @@ SHAPES = {  # name: (lens, H, D, P, dtype, alibi, policy, alpha)
     "odd-entmax-alibi": ([20001, 5, 9000, 17], 6, 64, 8, torch.bfloat16, True, RP.TopK(512, sinks=2, window=1), 1.5),
     "paper32k-softmax-alibi": ([32768] * 8, 24, 32, 16, torch.float16, True, RP.TopK(1024), 1.0),
 }
+# Each variant: (module knobs set for its run, KernelConfig fields).
 VARIANTS = {
-    "default": {},
-    "no-poll-ready": {(A, "POLL_READY"): False},
-    "no-overlap": {(T, "OVERLAP"): False},
-    "no-pdl": {(C, "PDL"): False},
+    "default": ({}, {}),
+    "no-poll-ready": ({(A, "POLL_READY"): False}, {}),
+    "no-overlap": ({(T, "OVERLAP"): False}, {}),
+    "no-pdl": ({}, {"pdl": False}),
 }
 
 
@@ -43,15 +44,15 @@ def rows_sorted(pages, counts):
     return torch.sort(p, dim=-1).values
 
 
-def probe(name, variant, reps):
+def probe(name, variant, reps, config=None):
     lens, H, D, P, dtype, has_alibi, pol, alpha = SHAPES[name]
     cache, ids, q = make(lens, H, 1, D, P, dtype, seed=7)
     scale = 1.0 / math.sqrt(D)
     slopes = alibi(H) if has_alibi else None
 
     def step():
-        s = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
-        o = K.attend(q, cache, ids, s, alpha=alpha, scale=scale, slopes=slopes)[0]
+        s = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=config)
+        o = K.attend(q, cache, ids, s, alpha=alpha, scale=scale, slopes=slopes, config=config)[0]
         return s.pages, s.counts, o
 
     g, (gp, gc, go) = capture(step)
@@ -76,11 +77,12 @@ def main():
     args = ap.parse_args()
     for name in args.shapes.split(","):
         for v in args.variants.split(","):
-            saved = {k: getattr(*k) for k in VARIANTS[v]}
-            for (mod, attr), val in VARIANTS[v].items():
+            knobs, fields = VARIANTS[v]
+            saved = {k: getattr(*k) for k in knobs}
+            for (mod, attr), val in knobs.items():
                 setattr(mod, attr, val)
             try:
-                probe(name, v, args.reps)
+                probe(name, v, args.reps, KernelConfig(**fields))
             finally:
                 for (mod, attr), val in saved.items():
                     setattr(mod, attr, val)

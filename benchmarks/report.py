@@ -1,7 +1,7 @@
 """Markdown tables from ``bench_decode.json`` (so no number is copied by hand).
 
-    python benchmarks/report.py benchmarks/results/bench_decode.json          # every row
-    python benchmarks/report.py benchmarks/results/bench_decode.json --summary  # ms per method
+    python -m benchmarks.report benchmarks/results/bench_decode.json          # every row
+    python -m benchmarks.report benchmarks/results/bench_decode.json --summary  # ms per method
 """
 from __future__ import annotations
 

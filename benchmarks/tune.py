@@ -11,7 +11,7 @@ given configurations (one head per program: paper config; tl.dot path: GQA
 config) and prints a table; the chosen values are then written into
 ``attention._plan`` by hand.
 
-    PYTHONPATH=.:benchmarks python benchmarks/tune.py --configs gqa_128k --alphas 1.0
+    python -m benchmarks.tune --configs gqa_128k --alphas 1.0
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from bench_decode import CONFIGS, build, capture, set_knobs, time_graph  # noqa: E402
+from .bench_decode import CONFIGS
+from .harness import build, capture, set_knobs, time_graph
 
 VARIANTS = {  # (BLOCK_T, num_warps, num_stages) per code path
     "one_head": [(256, 4, 3), (256, 8, 3), (512, 4, 3), (512, 8, 3), (1024, 8, 2), (512, 8, 4)],

@@ -10,8 +10,8 @@ product of values of ``topk`` module settings instead (e.g. the chunk size
 and the warps of the lb and merge kernels). The chosen values go into
 ``topk.py`` by hand.
 
-    PYTHONPATH=.:benchmarks python benchmarks/tune_keys.py --configs paper_128k,paper_b1_2m
-    PYTHONPATH=.:benchmarks python benchmarks/tune_keys.py --configs paper_b1_2m \
+    python -m benchmarks.tune_keys --configs paper_128k,paper_b1_2m
+    python -m benchmarks.tune_keys --configs paper_b1_2m \
         --knobs "SELECT_CH=4096,8192;LB_WARPS=1,4"
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_decode import CONFIGS, build, capture, time_graph  # noqa: E402
+from .bench_decode import CONFIGS
+from .harness import build, capture, time_graph
 
 
 @triton.jit

@@ -1,0 +1,124 @@
+"""What the benchmarks share: cases on the GPU, CUDA-graph capture, timing, configs.
+
+``build`` makes a paged cache of standard-normal K/V with shuffled block
+tables (and contiguous copies for the dense baseline); ``capture`` puts one
+step in a CUDA graph; ``time_graph`` times replays with CUDA events (warm-up,
+L2 flushed before each timed replay, median). ``kernel_config`` and
+``set_knobs`` turn command-line options into launch choices.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+
+import torch
+
+from entmaxkv.cache import PagedKVCache
+
+
+def kernel_config(items):
+    """A KernelConfig from "FIELD=VALUE" / "STAGE.FIELD=VALUE" options (VALUE a
+    Python literal), e.g. ``pdl=False``; None when there are none."""
+    if not items:
+        return None
+    from entmaxkv.kernels.config import KernelConfig
+
+    cfg = KernelConfig()
+    for item in items:
+        target, _, text = item.partition("=")
+        value = ast.literal_eval(text)
+        stage, _, name = target.rpartition(".")
+        if not stage:
+            if name not in {f.name for f in dataclasses.fields(cfg)}:
+                raise ValueError(f"--config: KernelConfig has no field {name!r}")
+            cfg = dataclasses.replace(cfg, **{name: value})
+            continue
+        sub = getattr(cfg, stage, None)
+        if not dataclasses.is_dataclass(sub) or name not in {f.name for f in dataclasses.fields(sub)}:
+            raise ValueError(f"--config: no field {target!r} in KernelConfig")
+        cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(sub, **{name: value})})
+        print(f"# config {target} = {value!r}")
+    return cfg
+
+
+def knob_value(module, name: str, text: str):
+    """The Python literal ``text`` as a value for the knob ``module.name``:
+    wrapped in tl.constexpr when the knob is one (a global read inside
+    kernels must stay constexpr)."""
+    import triton.language as tl
+
+    value = ast.literal_eval(text)
+    return tl.constexpr(value) if isinstance(getattr(module, name, None), tl.constexpr) else value
+
+
+def set_knobs(items):
+    """Apply "MODULE.NAME=VALUE" overrides to the module-level launch choices
+    of entmaxkv.kernels.MODULE that are not yet KernelConfig fields (VALUE a
+    Python literal), echoing each."""
+    for item in items:
+        target, value = item.split("=", 1)
+        mod, name = target.rsplit(".", 1)
+        module = importlib.import_module(f"entmaxkv.kernels.{mod}")
+        if not hasattr(module, name):
+            raise ValueError(f"--set: entmaxkv.kernels.{mod} has no knob {name}")
+        setattr(module, name, knob_value(module, name, value))
+        print(f"# {target} = {value}")
+
+
+def build(cfg, seed=0):
+    """Paged cache + contiguous [B, H, n, D] copies of K and V + queries."""
+    B, n, HQ, H, D, dtype, P = cfg
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k4 = torch.randn(B, H, n, D, device="cuda", dtype=dtype, generator=gen)
+    v4 = torch.randn(B, H, n, D, device="cuda", dtype=dtype, generator=gen)
+    npages = -(-n // P)
+    cache, slots = PagedKVCache.from_dense(
+        k4.transpose(1, 2), v4.transpose(1, 2), [n] * B, P, dtype=dtype, spare_pages=B,
+        shuffle=True, generator=torch.Generator().manual_seed(seed), device="cuda",
+        max_pages_per_seq=npages,
+    )
+    q = torch.randn(B, HQ, D, device="cuda", dtype=dtype, generator=gen)
+    ids = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    return cache, ids, q, k4, v4
+
+
+def capture(step):
+    """Warm up (compiles) on a side stream, then capture one step in a graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = step()
+    torch.cuda.synchronize()
+    return g, res
+
+
+def time_graph(g, flush, warmup, reps, warm_ms=0.0):
+    """(median ms, sorted ms) of ``reps`` replays, each after an L2 flush,
+    following at least ``warmup`` untimed replays and at least ``warm_ms`` of
+    them: a GPU that has just been idle runs the first milliseconds slower
+    (single-method runs read 5-7% slower than the same step timed after
+    other methods, results/experiments.log)."""
+    t0 = time.perf_counter()
+    i = 0
+    while i < warmup or (time.perf_counter() - t0) * 1e3 < warm_ms:
+        g.replay()
+        i += 1
+        if i % 4 == 0:  # the host clock follows the device, not the launch queue
+            torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for e0, e1 in evs:
+        flush.zero_()
+        e0.record()
+        g.replay()
+        e1.record()
+    torch.cuda.synchronize()
+    ts = sorted(e0.elapsed_time(e1) for e0, e1 in evs)
+    return ts[len(ts) // 2], ts
