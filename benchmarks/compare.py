@@ -19,14 +19,15 @@ def _rows(path):
 
 
 def compare(old_path: str, new_path: str, tolerance: float):
-    """Rows of (config, method, old ms, new ms, ratio, within) over the old result's rows."""
+    """Rows of (config, method, old ms, new ms, ratio, within) over the old result's rows
+    (new ms None where the new run lacks the row or it failed)."""
     old, _ = _rows(old_path)
     new, _ = _rows(new_path)
     out = []
     for key, row in old.items():
         other = new.get(key)
-        if other is None:
-            out.append((*key, row["ms"], None, None, False))
+        if other is None or "ms" not in other or "ms" not in row:
+            out.append((*key, row.get("ms"), None, None, False))
             continue
         ratio = other["ms"] / row["ms"]
         out.append((*key, row["ms"], other["ms"], ratio, abs(ratio - 1.0) <= tolerance))
@@ -43,8 +44,9 @@ def main(argv=None) -> int:
     rows = compare(args.old, args.new, args.tolerance)
     print(f"{'config':<12} {'method':<18} {'old ms':>9} {'new ms':>9} {'new/old':>8}")
     for cfg, method, a, b, r, ok in rows:
+        old = "-" if a is None else f"{a:9.4f}"
         shown = "missing" if b is None else f"{b:9.4f} {r:8.3f}"
-        print(f"{cfg:<12} {method:<18} {a:9.4f} {shown} {'' if ok else '  <-- outside'}")
+        print(f"{cfg:<12} {method:<18} {old:>9} {shown} {'' if ok else '  <-- outside'}")
     bad = [r for r in rows if not r[-1]]
     print(f"{len(rows) - len(bad)} of {len(rows)} rows within ±{args.tolerance:.0%}")
     if args.out:
