@@ -187,7 +187,7 @@ def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, pos_q, kvh
     # k_std converted where it is loaded, as before the load / math split:
     # the plain stats loop measured 142 us before the split and 200 us after
     # it at 1x2M, and where k_std is converted was the only difference in its
-    # PTX (results/experiments.log); the prefetching stats loop keeps the
+    # PTX (experiments/logs/experiments.log); the prefetching stats loop keeps the
     # storage dtype in flight instead
     b_mean, b_std = load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh, D, BLOCK_D, True)
     return gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, pos_q, scale,

@@ -80,7 +80,7 @@ TILE_NEWTON = 1
 # with zero rows. 0: the max, then the step's two sums, three reductions;
 # 1: one fused reduction (the max and both sums), the step starting from the
 # previous tile's max - 1, which is still <= tau of the slots. Measured on
-# the H200 (results/tune_bound.log, whole dense / page-list entmax
+# the H200 (experiments/logs/tune_bound.log, whole dense / page-list entmax
 # attention): one head, paper 8 x 128k dense 0.692 -> 0.671 ms, page list
 # 0.501 -> 0.475 ms with 1; folded tl.dot, GQA 4 x 32k page list 0.123 ->
 # 0.120 ms, dense 4 x 128k 0.350 -> 0.342 ms with 1 (dense 4 x 32k 0.110 ->
@@ -89,7 +89,7 @@ TILE_NEWTON = 1
 # without candidates, measured slower on every path.
 LB_MODE = {"one_head": 1, "dot_folded": 1, "dot_rows": 0}
 # _vacc_kernel (block of candidates, warps, [block, D] accumulator) by head
-# dim, measured on the H200 (benchmarks/results/profile.log): d <= 64 (paper
+# dim, measured on the H200 (experiments/logs/profile.log): d <= 64 (paper
 # config) 128 x 4 warps with a [block, D] accumulator, 8.4 us at 8 x 128k;
 # larger d (GQA config) 32 x 1 warp with one [D] row, 8.0 us at 4 x 32k
 # (the former: 33.6 us there).
@@ -106,7 +106,7 @@ VACC_LARGE_D = (32, 1, False)
 # register tile (top-k budgets), on the tl.dot path, or with at most
 # FINISH_MAX_SPLITS splits per row; FINISH_WARPS: (lists that always fit,
 # the others). Measured on the H200 (whole steps from CUDA graphs, one call,
-# A/B in rounds, results/finish.log section 2), three launches ->
+# A/B in rounds, experiments/logs/finish.log section 2), three launches ->
 # one: entmax top-k 1024 at 1 x 2M / 8 x 128k / 8 x 32k / GQA
 # 4 x 32k / 4 x 128k 0.1500 / 0.1041 / 0.0587 / 0.0536 / 0.0790 -> 0.1492 /
 # 0.1022 / 0.0573 / 0.0501 / 0.0757 ms with 4 warps (8 warps: 0.1501 / 0.1046
@@ -126,7 +126,7 @@ FINISH_BLOCK = 256
 # The τ solve's sums (count, moments, min, max) in one multi-operand
 # reduction per step instead of one reduction each: one cross-warp exchange
 # per solver step. Measured on the H200 (whole steps, one call,
-# results/finish.log section 5): Gaussian 1 x 2M / 8 x 128k / GQA 4 x 32k
+# experiments/logs/finish.log section 5): Gaussian 1 x 2M / 8 x 128k / GQA 4 x 32k
 # 0.1964 / 0.2536 / 0.1634 -> 0.1944 / 0.2512 / 0.1604 ms, entmax top-k 4096
 # at 1 x 2M 0.1554 -> 0.1542, the others the same or up to 1% faster.
 # Triton's interpreter runs a reduction with its own combine function one
@@ -158,7 +158,7 @@ POLL_ROWS_FIRST = True
 # ... for selections of at most this many tokens per row (the width W * P):
 # for wider ones the rows attended early slow the last rows' selection more
 # than they save (paper 8 x 128k / 8 x 512k top-k 4096 0.1207 / 0.2761 ->
-# 0.1245 / 0.2812 ms polling; top-k 1024 gains, results/poll_ready/).
+# 0.1245 / 0.2812 ms polling; top-k 1024 gains, experiments/logs/poll_ready/).
 POLL_MAX_TOKENS = 2048
 POLL_POLLS = 1 << 20
 
@@ -169,7 +169,7 @@ POLL_POLLS = 1 << 20
 
 # _split_kernel loads the next tile's page ids (page list, block table) while
 # the current tile's K is in flight, so a tile waits for one load, not three.
-# Measured on the H200 (results/tune_prefetch.log): through a page list it
+# Measured on the H200 (experiments/logs/tune_prefetch.log): through a page list it
 # pays on every path (paper 8 x 128k certified 1045 -> 755 us, Gaussian
 # 403 -> 328 us; GQA 4 x 32k certified 222 -> 195 us), and for the dense
 # one-head softmax (790 -> 765 us); it costs the dense one-head entmax pass
@@ -183,7 +183,7 @@ PREFETCH_PAGES = True
 # load of the same iteration, and Triton's pipeliner splits the stages
 # between the two loads (sm_90 TTGIR of the dense tl.dot entmax pass: one K
 # buffer at num_stages 4; with the prefetch, two at 3 stages). Measured
-# (results/tune_bound.log): dense tl.dot entmax at GQA 4 x 32k 0.143 ->
+# (experiments/logs/tune_bound.log): dense tl.dot entmax at GQA 4 x 32k 0.143 ->
 # 0.140 ms, 4 x 128k unchanged (0.449 / 0.452 ms); dense tl.dot softmax, with
 # its own blocks (DOT_SOFTMAX_DENSE_FACTOR), 0.148 -> 0.143 ms at 4 x 32k.
 DENSE_PREFETCH = {(False, True): True, (False, False): False, (True, True): True, (True, False): True}
@@ -193,7 +193,7 @@ DENSE_PREFETCH = {(False, True): True, (False, False): False, (True, True): True
 # the loop carries that attribute, and then stages the K tiles (and the
 # block-table loads they hang on) through shared memory, with no K tile held
 # in registers ahead of its use. Measured on the H200 (whole steps, CUDA
-# graphs, results/experiments.log 2026-12-01 fourth session): 8 x 32k /
+# graphs, experiments/logs/experiments.log): 8 x 32k /
 # 8 x 128k / 8 x 1M 0.190 / 0.646 / 4.94 ms unpipelined -> 0.139 / 0.456 /
 # 3.39 ms with 512 x 8 warps x 2 stages; 1 x 2M 1.40-1.55 -> 0.923 ms with
 # those, 0.885 ms with 256 x 4 warps x 3 stages. The same attribute on the
@@ -211,14 +211,14 @@ DOT_SOFTMAX_LIST_FACTOR = 8
 # The dense one-head entmax pass with at least as many rows as SMs aims for
 # ENTMAX_WAVE_FACTOR instead (about one wave of its programs): fewer, longer
 # programs pay the prologue, the compaction of candidates and the solve's
-# per-split merge less often (results/tune_split.log): paper 8 x 32k /
+# per-split merge less often (experiments/logs/tune_split.log): paper 8 x 32k /
 # 8 x 128k 0.212 / 0.671 -> 0.188 / 0.640 ms. Not with few rows (1 x 2M:
 # 1.38 -> 1.85 ms) nor through page lists, whose rows keep different counts
 # that few splits balance badly (Gaussian pages at 8 x 512k 0.140 -> 0.183
-# ms, results/tune_split.log; SPLIT_MIN_TOKENS below is for those).
+# ms, experiments/logs/tune_split.log; SPLIT_MIN_TOKENS below is for those).
 ENTMAX_WAVE_FACTOR = 2
 # The dense tl.dot softmax pass (32-token tiles, 2 warps, 4 stages, page ids
-# prefetched) aims for this many (results/tune_bound.log: GQA 4 x 32k / 4 x
+# prefetched) aims for this many (experiments/logs/tune_bound.log: GQA 4 x 32k / 4 x
 # 512k 0.148 / 1.953 ms with 32 x 4 warps x 6 stages, 8 per SM, without the
 # prefetch; 0.143 / 1.936 ms with these).
 DOT_SOFTMAX_DENSE_FACTOR = 3.88
@@ -227,7 +227,7 @@ DOT_SOFTMAX_DENSE_FACTOR = 3.88
 # and the scores are folded to [NG, BLOCK_T] (a max over equal copies, exact)
 # before the bound update and the candidate stores, which then touch NG rows
 # instead of 16 (sm_90: 255 -> 142 registers, 17 -> 7 barriers per tile).
-# Measured (results/tune_bound.log): GQA 4 x 32k dense 0.141 -> 0.110 ms,
+# Measured (experiments/logs/tune_bound.log): GQA 4 x 32k dense 0.141 -> 0.110 ms,
 # page list 0.138 -> 0.123 ms; 4 x 128k dense 0.452 -> 0.350 ms. False: keep
 # the zero rows.
 FOLD_ROWS = True
@@ -236,11 +236,11 @@ FOLD_ROWS = True
 # tiles: two 32 KB K buffers in shared memory and 142 registers folded, 255
 # with zero rows), so a partial last wave costs a whole program's time
 # (4 x 32k GQA, folded: 2 per SM 0.110 ms; 3 per SM 0.118-0.122, 4 per SM
-# 0.114-0.128 with smaller tiles, results/tune_bound.log).
+# 0.114-0.128 with smaller tiles, experiments/logs/tune_bound.log).
 DOT_ENTMAX_PER_SM = 2
 # Short selections on the one-head path (at most SMALL_SEL_TOKENS tokens per
 # row, head dim <= 64) with fewer rows than SMs are latency-bound: 32-token tiles, 1 warp,
-# 2 stages, SMALL_SEL_FACTOR programs per SM (results/tune_sparse64.log:
+# 2 stages, SMALL_SEL_FACTOR programs per SM (experiments/logs/tune_sparse64.log:
 # 64 pages at 1 x 2M, softmax 13.0 -> 11.1 us, entmax 25.4 -> 21.6 us). With
 # more rows (8 x 128k) only softmax gains (19.2 -> 18.4 us).
 SMALL_SEL_TOKENS = 2048
@@ -251,7 +251,7 @@ SMALL_SEL_FACTOR = 16
 # over only as many of its splits as give each at least this many tokens
 # (evenly; the others run no tile), keyed by whether there are at least as
 # many rows as SMs. 0: always all of them. One-head entmax only
-# (results/tune_split.log, the Gaussian selection's pages): with many
+# (experiments/logs/tune_split.log, the Gaussian selection's pages): with many
 # rows, at 8 x 128k / 8 x 512k / 8 x 1M 0.165 / 0.140 / 0.106 ms with every
 # split in use, 0.161 / 0.122 / 0.112 ms at 8192 (8 x 32k: 0.125 -> 0.136);
 # with few rows (1 x 2M, 393 pages of 131072 kept per row) 0.044 ms over 44
@@ -266,7 +266,7 @@ SPLIT_MIN_TOKENS = {False: 512, True: 8192}
 def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool, itemsize: int = 2,
           dense: bool = True) -> dict:
     """Block sizes and split count from shapes only (graph-capturable)."""
-    # Measured on the H200 (benchmarks/tune.py, 2026-11-30; results/tune*.log):
+    # Measured on the H200 (benchmarks/tune.py; experiments/logs/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
     # through a selection's page list (dense: DENSE_ENTMAX_PIPE), 3 stages;
     # tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages (dense: 32 x 2
@@ -298,7 +298,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         elif dense:  # software-pipelined (tiles measured at d 32; larger head dims keep the tile's elements)
             pipe_t, warps, loop_stages = DENSE_ENTMAX_PIPE[many]
             block_t = max(16, pipe_t * 32 // max(32, block_d))
-        else:  # through a page list (with the page-id prefetch: results/tune_list_ab.log,
+        else:  # through a page list (with the page-id prefetch: experiments/logs/tune_list_ab.log,
             # paper 8 x 128k certified / Gaussian 757 / 328 us with 256 x 8, 615 / 304 us with 512 x 8)
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
         stages = 3

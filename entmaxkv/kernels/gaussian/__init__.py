@@ -72,7 +72,7 @@ START_ITERS = 8
 # scores' scale, below the float32 noise of the sums. 1e-4 instead of 1e-5
 # lets a launch more stop early (8x1M: 12.8 -> 7.6 us for launch 2) with
 # tau_hat unchanged to 1.2e-7 against a solve that never stops
-# (results/gaussian_launches.log).
+# (experiments/logs/gaussian_launches.log).
 CONV_TOL = 1e-4
 
 # ---------------------------------------------------------------------------
@@ -80,7 +80,7 @@ CONV_TOL = 1e-4
 # ---------------------------------------------------------------------------
 
 
-# The stats launch, per scoring path (results/tune_stats.log):
+# The stats launch, per scoring path (experiments/logs/tune_stats.log):
 # * without tl.dot (fewer than 3 query heads per KV head):
 #   (prefetch, pages per block, warps, stages, warps per SM). prefetch loads
 #   each block's page ids and moments one block ahead, in flight while the
@@ -104,13 +104,13 @@ MIN_CH = 128
 # 88.4 -> 79.2 us and the whole step 0.665 -> 0.654 ms, 8x512k 0.409 ->
 # 0.403 ms) until the SMs run short of programs (4x32k GQA, 128 rows: 2048
 # pages 36.7 us, 1024 pages 32.8 us; 8x128k, 192 rows: 8192 pages 21.7 us,
-# 4096 pages 18.2 us; results/tune_iter.log). With few rows 8192 made the
+# 4096 pages 18.2 us; experiments/logs/tune_iter.log). With few rows 8192 made the
 # launches no slower but the captured step slower (1x2M 0.198 -> 0.203 ms,
 # GQA 4x512k 0.444 -> 0.446): they keep 4096. The selection
 # launch, whose programs merge no partials, tests one block of at most
 # SEL_CH pages and 4096 page-heads (1024: 8x1M 59 -> 47 us, 4x32k GQA
 # 7.0 -> 4.6 us against 2048 in two blocks; 2048 in one block 47-52 us,
-# 4096 slower everywhere; results/gaussian_launches.log).
+# 4096 slower everywhere; experiments/logs/gaussian_launches.log).
 MAX_CH = {False: 4096, True: 8192}
 ITER_PER_SM = 1.5
 ITER_WARPS = 4
@@ -197,7 +197,7 @@ _XMAX = tl.constexpr(14.5)  # phi(14.5) = 1.3e-46: beyond it the float32 terms a
 # div.approx.f32 (tl.math.fdiv approx), ~8 SASS instructions each with their
 # range and subnormal fix-ups: the 2 divisions took 16 of the 71
 # instructions per page of the iteration loop (sm_90, beta = 2; 570 -> 463
-# per 8 pages with these and _rcp; results/fast_div.log). Inline PTX needs
+# per 8 pages with these and _rcp; experiments/logs/fast_div.log). Inline PTX needs
 # a CUDA GPU: the CPU interpreter (and ROCm) divide plainly.
 _FAST_DIV = INLINE_PTX
 
@@ -465,7 +465,7 @@ def _start_kernel(st_ptr, state_ptr, NC, am1, beta,
     robust). Without ALiBi tau_0 = aux and launch 0 evaluates that one point:
     a float64 replay of the solve on i.i.d., drifting, clustered and
     sink-dominated pages (benchmarks/gaussian_start.py, its output in
-    results/experiments.log) needed exactly as many
+    experiments/logs/experiments.log) needed exactly as many
     steps from the pooled start as from the better of the two, while under
     ALiBi slopes it needed up to 2 more."""
     pdl_start(PDL)
@@ -566,7 +566,7 @@ def _pages4(n, P: tl.constexpr):
     page past the length). Masked page by page instead, each thread's four
     scalar loads strided the warp over 4x the sectors (the selection launch at
     8x1M: 71% excess sectors, 48.6 us; 0% and 44.3 us with this bound;
-    results/ncu_gaussian.log)."""
+    experiments/logs/ncu_gaussian.log)."""
     return tl.multiple_of((n + 4 * P - 1) // (4 * P) * 4, 4)
 
 
@@ -588,7 +588,7 @@ def _eval_chunk(mu_ptr, sg_ptr, part_ptr, b_mu, b_sg, n, npg4, i_r, i_c, it, R, 
     chunk's first block (``_load_mu_sg`` up to npg4), loaded by the caller;
     each later block is loaded while the previous one's terms are computed
     (ALU work: one exp and two divisions per page; 8x1M launch 1 45.6 ->
-    43.9 us, results/gaussian_launches.log)."""
+    43.9 us, experiments/logs/gaussian_launches.log)."""
     # Y_p = am1 S_p - tau in float32: am1 (mu_p - c), c = tau / am1 split as
     # c_hi + c_lo, so mu_y carries a relative (not |tau|-sized) rounding error.
     c = tau / am1

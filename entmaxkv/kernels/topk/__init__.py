@@ -75,7 +75,7 @@ PREFILTER = True
 # k-th largest of them: more groups, a tighter bound, a longer search).
 GMAX_GROUPS = 512
 # Keys per _gmax_kernel program and its warps (8192 keys, 4 or 8 warps: the
-# same or slower in whole steps, results/rowsel.log section 10).
+# same or slower in whole steps, experiments/logs/rowsel.log section 10).
 GMAX_KEYS = 4096
 GMAX_WARPS = 4
 # _keys_kernel stores its keys in the layout they are computed in.
@@ -96,7 +96,7 @@ KEYS_TUNE: dict = {}
 LB_WARPS = 1
 # Thresholds per round of _lb_kernel's search and its early stop
 # (kth_largest_nt's E; -1: exact). Measured on the H200 (whole steps, one
-# call, results/rowsel.log section 9), bisection -> 4 thresholds stopping at
+# call, experiments/logs/rowsel.log section 9), bisection -> 4 thresholds stopping at
 # most 4 maxima past k: 8 x 128k Quest / entmax top-k 1024 0.0964 / 0.1029
 # -> 0.0955 / 0.1015 ms, 8 x 32k 0.0510 / 0.0573 -> 0.0494 / 0.0560 (E = 0:
 # 0.0973 / 0.1033 at 128k).
@@ -108,7 +108,7 @@ MERGE_REGS = 16384
 # _lb_kernel + _chunk_kernel + _merge_kernel, for widths up to ROWSEL_MAX_W
 # pages, except rows shorter than ROWSEL_MIN_PAGES with budgets of at most
 # ROWSEL_CHAIN_W pages when there are at least as many rows as SMs. Measured
-# on the final kernels (results/rowsel.log section 11, paper heads, batch 1-8
+# on the final kernels (experiments/logs/rowsel.log section 11, paper heads, batch 1-8
 # x 32k-256k, ms): _rowsel_kernel is faster at every batch below 8 (up to
 # 28%: 1 x 64k Quest k1024 0.0398 -> 0.0284) except top-k 4096 at 1-2 x 32k
 # and 1 x 64k and top-k 1024 at 1 x 128k (+3-4.5%), and at batch 8 for
@@ -123,7 +123,7 @@ MERGE_REGS = 16384
 # page, largest group and smallest (more groups: fewer keys read past lb, a
 # longer search for it), thresholds counted per search round, candidates
 # searched in the short final tile, keys of the one-tile pass. 16 groups per
-# kept page with groups of at least 16 keys, against 8 per page (results/
+# kept page with groups of at least 16 keys, against 8 per page (experiments/logs/
 # rowsel.log section 9, ROWSEL_E = 0 in both): top-k 4096 at 1 x 2M / 8 x 1M
 # 0.1644 / 0.5027 -> 0.1565 / 0.4996 ms (groups of 32 / 16 keys, not 64 /
 # 32), top-k 1024 at 8 x 512k Quest / entmax 0.2565 / 0.2673 -> 0.2517 /
@@ -145,7 +145,7 @@ ROWSEL_ONE = 8192
 # Rows whose one tile (of at most ROWSEL_FEW_TILE keys) holds at most
 # ROWSEL_FEW keys >= lb past the budget are cut from below in registers
 # (cut_from_below) instead of through the candidate buffer; -1: never.
-# Measured on the H200 (results/rowsel.log section 8, whole steps, one
+# Measured on the H200 (experiments/logs/rowsel.log section 8, whole steps, one
 # call): 1 x 2M Quest / entmax k1024 0.1440 / 0.1492 -> 0.1413 / 0.1466 ms,
 # 8 x 1M 0.4632 / 0.4751 -> 0.4605 / 0.4683; 8 x 512k within +0.7%; with
 # the 8192-key tiles of top-k 4096 8 x 1M 0.503 -> 0.518, hence the tile cap.
@@ -157,7 +157,7 @@ ROWSEL_FEW_TILE = 4096
 # k-th maximum: 1 x 2M Quest / entmax top-k 1024 0.1429 / 0.1479 -> 0.1401 /
 # 0.1455 ms, 8 x 512k 0.2587 / 0.2693 -> 0.2565 / 0.2673; E > 0 lists more
 # groups than the one tile holds (E = 1: 0.1441 / 0.1494 ms at 1 x 2M;
-# results/rowsel.log section 9).
+# experiments/logs/rowsel.log section 9).
 ROWSEL_E = 0
 # The overlapped selection (``use_overlap``: batch >= OVERLAP_MIN_BATCH, rows
 # of at most OVERLAP_MAX_KEYS key slots, widths _rowsel_kernel takes, PDL on,
@@ -168,11 +168,11 @@ ROWSEL_E = 0
 # keys pass instead), takes the row's group maxima itself (no _gmax_kernel)
 # and selects: the first batch rows' selections run while the keys pass's
 # last programs still read. The benchmark's steps against OVERLAP = False
-# in one call (results/overlap_topk/run.log, ms): Quest / entmax top-k 1024
+# in one call (experiments/logs/overlap_topk/run.log, ms): Quest / entmax top-k 1024
 # / entmax top-k 4096 at 8 x 32k 0.0490 / 0.0550 / 0.0785 -> 0.0468 /
 # 0.0544 / 0.0775, 8 x 128k 0.0919 / 0.0997 / 0.1255 -> 0.0885 / 0.0960 /
 # 0.1207, 8 x 512k 0.2517 / 0.2598 / 0.2845 -> 0.2468 / 0.2568 / 0.2781.
-# Found with benchmarks/overlap_proto.py (results/overlap.log calls 12-15,
+# Found with benchmarks/overlap_proto.py (experiments/logs/overlap.log calls 12-15,
 # its variant kp999w4o): at 1 x 2M 17% slower (a program per row takes the
 # maxima of 131072 keys alone), hence the key cap; launched after the keys
 # pass (no PDL, no polling) no faster than the chain it replaces.
@@ -194,7 +194,7 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     if cfg["USE_DOT"]:
         # half the scoring kernels' page block (32 pages at d 128): the chunk
-        # kernel holds its keys too (results/tune_select.log, GQA 4 x 128k /
+        # kernel holds its keys too (experiments/logs/tune_select.log, GQA 4 x 128k /
         # 512k selection 71.5 -> 59.1 / 187.8 -> 161.8 us)
         cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], 4096 // cfg["BLOCK_D"]))
     if CHUNK_BLOCK_M:
@@ -206,7 +206,7 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
     while ch > floor and rows * cdiv(M, ch) < CHUNK_PROGS * sms:
         ch //= 2
     # 4 warps on the tl.dot path at any chunk size (8 warps with 32-page
-    # blocks: 242 vs 162 us at GQA 4 x 512k, results/tune_select.log)
+    # blocks: 242 vs 162 us at GQA 4 x 512k, experiments/logs/tune_select.log)
     warps = 4 if cfg["USE_DOT"] or ch < 2048 else 8
     cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch), WARPS=CHUNK_WARPS or warps,
                STAGES=CHUNK_STAGES)
@@ -216,7 +216,7 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
 def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
     """_keys_kernel blocks: BLOCK_M pages x HG heads per step (about 16K
     values in registers), KEYS_CH pages per program (many short programs:
-    a small last wave; results/tune_keys.log). ``KEYS_TUNE``
+    a small last wave; experiments/logs/tune_keys.log). ``KEYS_TUNE``
     (benchmarks/tune_keys.py) overrides any entry."""
     hp = next_pow2(H)
     hg = H & -H  # the largest power of two dividing H: unmasked contiguous runs
@@ -436,7 +436,7 @@ def _keys_kernel(
     one contiguous run (HG a power of two dividing H, or next_pow2(H) masked),
     one (page block, head group) per step. (Loading the next step's metadata
     before computing this step's keys measured no faster:
-    results/tune_keys.log.) Keys go to
+    experiments/logs/tune_keys.log.) Keys go to
     key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
     MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY.
     Grid (B, chunks); with PUBLISH (chunks, B), so that programs start in
