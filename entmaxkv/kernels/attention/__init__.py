@@ -75,90 +75,35 @@ NEWTON_MAX = 64
 # tile: a conditional update inside the loop measured slower, it defeats the
 # software pipelining of the K loads).
 TILE_NEWTON = 1
-# How pass 1 raises its bound after a tile (one Newton step at most), by
-# path: one head per program, tl.dot with folded rows (FOLD_ROWS), tl.dot
-# with zero rows. 0: the max, then the step's two sums, three reductions;
-# 1: one fused reduction (the max and both sums), the step starting from the
-# previous tile's max - 1, which is still <= tau of the slots. Measured on
-# the H200 (experiments/logs/tune_bound.log, whole dense / page-list entmax
-# attention): one head, paper 8 x 128k dense 0.692 -> 0.671 ms, page list
-# 0.501 -> 0.475 ms with 1; folded tl.dot, GQA 4 x 32k page list 0.123 ->
-# 0.120 ms, dense 4 x 128k 0.350 -> 0.342 ms with 1 (dense 4 x 32k 0.110 ->
-# 0.113); zero rows, GQA 4 x 32k dense 0.143 -> 0.153 ms with 1. Testing a
-# tile against the bound from before it, and skipping the stores of tiles
-# without candidates, measured slower on every path.
+# How pass 1 raises its lower bound on tau after a tile, by path (one head,
+# tl.dot with folded rows, tl.dot with zero rows): 0 three reductions, 1 one fused.
 LB_MODE = {"one_head": 1, "dot_folded": 1, "dot_rows": 0}
-# _vacc_kernel (block of candidates, warps, [block, D] accumulator) by head
-# dim, measured on the H200 (experiments/logs/profile.log): d <= 64 (paper
-# config) 128 x 4 warps with a [block, D] accumulator, 8.4 us at 8 x 128k;
-# larger d (GQA config) 32 x 1 warp with one [D] row, 8.0 us at 4 x 32k
-# (the former: 33.6 us there).
-# _solve_kernel: iterate in registers when every candidate list of a head fits
-# one tile (tests switch it off to cover the memory path on small shapes).
+# _solve_kernel iterates in registers when every candidate list of a head fits
+# one SOLVE_TILE tile (candidates); _vacc_kernel (block, warps, [block, D] accumulator) by head dim.
 SOLVE_IN_REGS = True
 # Candidates in the solve's tile ([NS_P2, SOLVE_TILE // NS_P2]; tests shrink it).
 SOLVE_TILE = 2048
 VACC_SMALL_D = (128, 4, True)
 VACC_LARGE_D = (32, 1, False)
-# Entmax finishes in one launch, _finish_kernel (the solve, the V rows of
-# the support, the output), instead of _solve_kernel + _vacc_kernel +
-# _combine_kernel, when every candidate list always fits the solve's
-# register tile (top-k budgets), on the tl.dot path, or with at most
-# FINISH_MAX_SPLITS splits per row; FINISH_WARPS: (lists that always fit,
-# the others). Measured on the H200 (whole steps from CUDA graphs, one call,
-# A/B in rounds, experiments/logs/finish.log section 2), three launches ->
-# one: entmax top-k 1024 at 1 x 2M / 8 x 128k / 8 x 32k / GQA
-# 4 x 32k / 4 x 128k 0.1500 / 0.1041 / 0.0587 / 0.0536 / 0.0790 -> 0.1492 /
-# 0.1022 / 0.0573 / 0.0501 / 0.0757 ms with 4 warps (8 warps: 0.1501 / 0.1046
-# / 0.0598 / 0.0502 / 0.0761); with 8 warps, top-k 4096 (4 splits) 8 x 128k
-# 0.1263 -> 0.1244, GQA 4 x 32k 0.0877 -> 0.0844; dense entmax (2 splits)
-# 8 x 128k 0.4559 -> 0.4522, GQA 4 x 32k 0.1126 -> 0.1090; GQA Gaussian /
-# certified 4 x 32k 0.1680 / 0.1824 -> 0.1629 / 0.1804. Not with many splits
-# on the one-head path, where the compaction walks long lists: 1 x 2M
-# Gaussian (44 splits) 0.1959 -> 0.2162, certified 1.117 -> 1.193, dense
-# 0.888 -> 0.920; paper Gaussian 8 x 32k (6 splits) 0.1740 -> 0.1761.
-# FINISH_BLOCK: support tokens per V block (at most 8192 // BLOCK_D).
-# False: always the three launches.
+# Finish entmax in one launch (_finish_kernel) when lists always fit the solve tile,
+# on the tl.dot path, or with <= FINISH_MAX_SPLITS splits; warps (fitting, other); V block (tokens).
 FINISH = True
 FINISH_MAX_SPLITS = 4
 FINISH_WARPS = (4, 8)
 FINISH_BLOCK = 256
-# The τ solve's sums (count, moments, min, max) in one multi-operand
-# reduction per step instead of one reduction each: one cross-warp exchange
-# per solver step. Measured on the H200 (whole steps, one call,
-# experiments/logs/finish.log section 5): Gaussian 1 x 2M / 8 x 128k / GQA 4 x 32k
-# 0.1964 / 0.2536 / 0.1634 -> 0.1944 / 0.2512 / 0.1604 ms, entmax top-k 4096
-# at 1 x 2M 0.1554 -> 0.1542, the others the same or up to 1% faster.
-# Triton's interpreter runs a reduction with its own combine function one
-# element at a time in Python (the interpreted tests 7x slower), so there the
-# sums stay separate unless FUSED_SUMS_INTERPRETED (tests) asks for them.
+# The solve's sums in one multi-operand reduction per step (one cross-warp exchange);
+# off on the interpreter, which runs such reductions element by element, unless FUSED_SUMS_INTERPRETED.
 FUSED_SUMS = True
 FUSED_SUMS_INTERPRETED = False
-# An attention launched right after a selection that may still be running
-# (Selection.pending: the top-k through _rowsel_kernel, overlapped with the
-# keys pass, whose last rows are still being selected when this launch is
-# scheduled, or not): each split program
-# waits for its own row's counters[0] instead of the whole selection launch,
-# so most rows are attended while the last ones are selected; with one
-# query head per selection row and two launches (the split pass, then
-# _finish_kernel or _combine_kernel) the split programs also count into
-# counters[1] and each finishing program waits for its row's NSPLIT instead
-# of the whole split pass. Only when no other step launch came between
-# (Pending.launch): these programs write before the launch before them has
-# ended, which is sound only where every buffer that launch (or one still
-# running before it) uses is alive, so no allocation of this call can take
-# its memory (Pending.hold keeps the selection's own). POLL_POLLS: loads
-# short of the target before a program waits for the whole previous launch
-# instead. False: always wait for whole launches.
+# Attention after a still-running selection (Selection.pending) waits per row on
+# its counters instead of the whole launch, when no other launch came between (Pending.launch).
 POLL_READY = True
 # ... with the split grid (NSPLIT, rows): programs are scheduled row by row,
 # as rows are selected, rather than split 0 of every row first (whose
 # programs for rows not yet selected would hold the slots).
 POLL_ROWS_FIRST = True
-# ... for selections of at most this many tokens per row (the width W * P):
-# for wider ones the rows attended early slow the last rows' selection more
-# than they save (paper 8 x 128k / 8 x 512k top-k 4096 0.1207 / 0.2761 ->
-# 0.1245 / 0.2812 ms polling; top-k 1024 gains, experiments/logs/poll_ready/).
+# ... only for selections of at most this many tokens per row (W * P); POLL_POLLS:
+# loads short of the target before a program waits for the whole previous launch.
 POLL_MAX_TOKENS = 2048
 POLL_POLLS = 1 << 20
 
@@ -167,39 +112,13 @@ POLL_POLLS = 1 << 20
 # heuristics
 # ---------------------------------------------------------------------------
 
-# _split_kernel loads the next tile's page ids (page list, block table) while
-# the current tile's K is in flight, so a tile waits for one load, not three.
-# Measured on the H200 (experiments/logs/tune_prefetch.log): through a page list it
-# pays on every path (paper 8 x 128k certified 1045 -> 755 us, Gaussian
-# 403 -> 328 us; GQA 4 x 32k certified 222 -> 195 us), and for the dense
-# one-head softmax (790 -> 765 us); it costs the dense one-head entmax pass
-# (paper 8 x 128k 693 -> 977 us, held registers), which Triton's pipeliner
-# serves instead (DENSE_ENTMAX_PIPE). (The dense tl.dot passes:
-# DENSE_PREFETCH below.)
-# False: never.
+# The split pass loads the next tile's page ids while the current tile's K is in
+# flight (a tile then waits for one load, not three); not on the dense one-head entmax pass.
 PREFETCH_PAGES = True
-# Walks over every page (no page list) prefetch by path, keyed (tl.dot path,
-# softmax). Without the prefetch, a tile's K address hangs on a block-table
-# load of the same iteration, and Triton's pipeliner splits the stages
-# between the two loads (sm_90 TTGIR of the dense tl.dot entmax pass: one K
-# buffer at num_stages 4; with the prefetch, two at 3 stages). Measured
-# (experiments/logs/tune_bound.log): dense tl.dot entmax at GQA 4 x 32k 0.143 ->
-# 0.140 ms, 4 x 128k unchanged (0.449 / 0.452 ms); dense tl.dot softmax, with
-# its own blocks (DOT_SOFTMAX_DENSE_FACTOR), 0.148 -> 0.143 ms at 4 x 32k.
+# The same prefetch on walks over every page, keyed (tl.dot path, softmax).
 DENSE_PREFETCH = {(False, True): True, (False, False): False, (True, True): True, (True, False): True}
-# The dense one-head entmax pass, (BLOCK_T, warps, loop stages) keyed by
-# "at least as many rows as SMs". Its loop is software-pipelined (tl.range
-# num_stages): Triton pipelines the loads of a loop without a tl.dot only when
-# the loop carries that attribute, and then stages the K tiles (and the
-# block-table loads they hang on) through shared memory, with no K tile held
-# in registers ahead of its use. Measured on the H200 (whole steps, CUDA
-# graphs, experiments/logs/experiments.log): 8 x 32k /
-# 8 x 128k / 8 x 1M 0.190 / 0.646 / 4.94 ms unpipelined -> 0.139 / 0.456 /
-# 3.39 ms with 512 x 8 warps x 2 stages; 1 x 2M 1.40-1.55 -> 0.923 ms with
-# those, 0.885 ms with 256 x 4 warps x 3 stages. The same attribute on the
-# page-list passes (one head, with or without the page-id prefetch) and on
-# the dense softmax pass measured slower (Gaussian 8 x 128k 0.256 -> 0.288 ms,
-# dense softmax 0.764 -> 0.836 ms), so those loops keep no attribute.
+# Dense one-head entmax pass: (BLOCK_T tokens, warps, software-pipeline stages),
+# keyed by 'at least as many rows as SMs'.
 DENSE_ENTMAX_PIPE = {True: (512, 8, 2), False: (256, 4, 3)}
 # Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
 TUNE: dict = {}
@@ -208,58 +127,23 @@ TUNE: dict = {}
 SPLIT_FACTOR = 8
 # The tl.dot softmax pass through a page list (GQA top-k).
 DOT_SOFTMAX_LIST_FACTOR = 8
-# The dense one-head entmax pass with at least as many rows as SMs aims for
-# ENTMAX_WAVE_FACTOR instead (about one wave of its programs): fewer, longer
-# programs pay the prologue, the compaction of candidates and the solve's
-# per-split merge less often (experiments/logs/tune_split.log): paper 8 x 32k /
-# 8 x 128k 0.212 / 0.671 -> 0.188 / 0.640 ms. Not with few rows (1 x 2M:
-# 1.38 -> 1.85 ms) nor through page lists, whose rows keep different counts
-# that few splits balance badly (Gaussian pages at 8 x 512k 0.140 -> 0.183
-# ms, experiments/logs/tune_split.log; SPLIT_MIN_TOKENS below is for those).
+# Programs per SM of the dense one-head entmax pass with at least as many rows as SMs
+# (about one wave: fewer, longer programs).
 ENTMAX_WAVE_FACTOR = 2
-# The dense tl.dot softmax pass (32-token tiles, 2 warps, 4 stages, page ids
-# prefetched) aims for this many (experiments/logs/tune_bound.log: GQA 4 x 32k / 4 x
-# 512k 0.148 / 1.953 ms with 32 x 4 warps x 6 stages, 8 per SM, without the
-# prefetch; 0.143 / 1.936 ms with these).
+# Programs per SM of the dense tl.dot softmax pass.
 DOT_SOFTMAX_DENSE_FACTOR = 3.88
-# tl.dot entmax pass with NG < 16 heads per tile (NG a power of two): the dot's
-# 16 query rows hold BLOCK_G // NG copies of each head instead of zero rows,
-# and the scores are folded to [NG, BLOCK_T] (a max over equal copies, exact)
-# before the bound update and the candidate stores, which then touch NG rows
-# instead of 16 (sm_90: 255 -> 142 registers, 17 -> 7 barriers per tile).
-# Measured (experiments/logs/tune_bound.log): GQA 4 x 32k dense 0.141 -> 0.110 ms,
-# page list 0.138 -> 0.123 ms; 4 x 128k dense 0.452 -> 0.350 ms. False: keep
-# the zero rows.
+# tl.dot entmax with NG < 16 heads per tile (NG a power of two): fill the dot's 16
+# rows with copies of the heads and fold the scores to [NG, BLOCK_T] (exact) instead of zero rows.
 FOLD_ROWS = True
-# The tl.dot entmax pass instead runs exactly this many programs per SM
-# (rounded down to whole splits per row): few fit at once (sm_90, 128-token
-# tiles: two 32 KB K buffers in shared memory and 142 registers folded, 255
-# with zero rows), so a partial last wave costs a whole program's time
-# (4 x 32k GQA, folded: 2 per SM 0.110 ms; 3 per SM 0.118-0.122, 4 per SM
-# 0.114-0.128 with smaller tiles, experiments/logs/tune_bound.log).
+# Programs per SM of the tl.dot entmax pass (exactly, rounded down to whole splits per row).
 DOT_ENTMAX_PER_SM = 2
-# Short selections on the one-head path (at most SMALL_SEL_TOKENS tokens per
-# row, head dim <= 64) with fewer rows than SMs are latency-bound: 32-token tiles, 1 warp,
-# 2 stages, SMALL_SEL_FACTOR programs per SM (experiments/logs/tune_sparse64.log:
-# 64 pages at 1 x 2M, softmax 13.0 -> 11.1 us, entmax 25.4 -> 21.6 us). With
-# more rows (8 x 128k) only softmax gains (19.2 -> 18.4 us).
+# Short one-head selections (<= SMALL_SEL_TOKENS tokens per row, head dim <= 64,
+# fewer rows than SMs): (BLOCK_T, warps, stages) and programs per SM.
 SMALL_SEL_TOKENS = 2048
 SMALL_SEL = (32, 1, 2)
 SMALL_SEL_FACTOR = 16
-# Through a page list the split count comes from the list's width (a shape),
-# but a selection may keep far fewer pages: a row then spreads its kept pages
-# over only as many of its splits as give each at least this many tokens
-# (evenly; the others run no tile), keyed by whether there are at least as
-# many rows as SMs. 0: always all of them. One-head entmax only
-# (experiments/logs/tune_split.log, the Gaussian selection's pages): with many
-# rows, at 8 x 128k / 8 x 512k / 8 x 1M 0.165 / 0.140 / 0.106 ms with every
-# split in use, 0.161 / 0.122 / 0.112 ms at 8192 (8 x 32k: 0.125 -> 0.136);
-# with few rows (1 x 2M, 393 pages of 131072 kept per row) 0.044 ms over 44
-# splits of 9 pages, 0.033 over 11 of 36 (a factor of 2), 0.053 over 3 of
-# 131: 512 tokens gives about 12 splits there (measured 0.040 ms), and a
-# selection of every page (certified) still all 44. Short selections (the
-# SMALL_SEL path) keep their many small programs (a 512-token minimum put
-# entmax top-k 1024 at 1 x 2M from 0.165 to 0.178 ms).
+# Through a page list, a row spreads its kept pages over only as many splits as give
+# each this many tokens, keyed by 'at least as many rows as SMs' (0: all splits; one-head entmax).
 SPLIT_MIN_TOKENS = {False: 512, True: 8192}
 
 
@@ -298,8 +182,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         elif dense:  # software-pipelined (tiles measured at d 32; larger head dims keep the tile's elements)
             pipe_t, warps, loop_stages = DENSE_ENTMAX_PIPE[many]
             block_t = max(16, pipe_t * 32 // max(32, block_d))
-        else:  # through a page list (with the page-id prefetch: experiments/logs/tune_list_ab.log,
-            # paper 8 x 128k certified / Gaussian 757 / 328 us with 256 x 8, 615 / 304 us with 512 x 8)
+        else:  # through a page list, with the page-id prefetch: 512-token tiles at d 32 (docs/tuning.md)
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
         stages = 3
     if use_dot:

@@ -67,12 +67,7 @@ NIT = 4
 # float32 pooled start of the mixture solve.
 SCALAR_ITERS = 24
 START_ITERS = 8
-# A Halley step this small (relative) ends the mixture solve (0: never).
-# Convergence is cubic: after a step of 1e-4 the next would be ~1e-12 of the
-# scores' scale, below the float32 noise of the sums. 1e-4 instead of 1e-5
-# lets a launch more stop early (8x1M: 12.8 -> 7.6 us for launch 2) with
-# tau_hat unchanged to 1.2e-7 against a solve that never stops
-# (experiments/logs/gaussian_launches.log).
+# A relative Halley step this small ends the mixture solve (0: never); convergence is cubic.
 CONV_TOL = 1e-4
 
 # ---------------------------------------------------------------------------
@@ -80,37 +75,13 @@ CONV_TOL = 1e-4
 # ---------------------------------------------------------------------------
 
 
-# The stats launch, per scoring path (experiments/logs/tune_stats.log):
-# * without tl.dot (fewer than 3 query heads per KV head):
-#   (prefetch, pages per block, warps, stages, warps per SM). prefetch loads
-#   each block's page ids and moments one block ahead, in flight while the
-#   previous block is reduced (Triton's pipeliner leaves these loads alone).
-#   Small one-warp programs, many per SM, read fastest: 1x2M 142 -> 109 us,
-#   8x1M ~545 -> 415 us (3.7-3.9 TB/s).
-# * with tl.dot: (pages per block, warps, stages, warps per SM); Triton
-#   pipelines these loads itself (a hand prefetch measured 2x slower);
-#   6 stages: GQA 4x512k 189 -> 166 us.
-# Pages per block 0: the scoring plan's; stages None: Triton's default.
-# Chunks shrink (down to MIN_CH pages) until the launch holds the warps per SM.
+# The stats launch per scoring path: without tl.dot (prefetch, pages per block, warps, stages,
+# warps per SM); with tl.dot (pages per block, warps, stages, warps per SM); chunks >= MIN_CH pages.
 STATS_TUNE = (True, 32, 1, None, 32)
 DOT_STATS_TUNE = (32, 2, 6, 16)
 MIN_CH = 128
-# Pages per program of the iteration and selection launches: the longest
-# chunk (up to MAX_CH, keyed by whether the B*HQ query-head rows are at least
-# as many as SMs) that still gives ITER_PER_SM programs per SM. Every
-# program of an iteration launch merges all NCH partials of its row in its
-# float64 prologue, so fewer, longer chunks pay less (8x1M: 4096 pages
-# 646 -> 616 us for the whole selection; 8192: its iteration launches
-# 88.4 -> 79.2 us and the whole step 0.665 -> 0.654 ms, 8x512k 0.409 ->
-# 0.403 ms) until the SMs run short of programs (4x32k GQA, 128 rows: 2048
-# pages 36.7 us, 1024 pages 32.8 us; 8x128k, 192 rows: 8192 pages 21.7 us,
-# 4096 pages 18.2 us; experiments/logs/tune_iter.log). With few rows 8192 made the
-# launches no slower but the captured step slower (1x2M 0.198 -> 0.203 ms,
-# GQA 4x512k 0.444 -> 0.446): they keep 4096. The selection
-# launch, whose programs merge no partials, tests one block of at most
-# SEL_CH pages and 4096 page-heads (1024: 8x1M 59 -> 47 us, 4x32k GQA
-# 7.0 -> 4.6 us against 2048 in two blocks; 2048 in one block 47-52 us,
-# 4096 slower everywhere; experiments/logs/gaussian_launches.log).
+# Pages per program of the iteration and selection launches: the longest chunk (<= MAX_CH, keyed by
+# rows >= SMs) giving ITER_PER_SM programs per SM; the selection tests blocks of <= SEL_CH pages.
 MAX_CH = {False: 4096, True: 8192}
 ITER_PER_SM = 1.5
 ITER_WARPS = 4

@@ -94,42 +94,14 @@ KEYS_TUNE: dict = {}
 # Warps of _lb_kernel (its search over ~512 maxima is latency-bound: one
 # warp reduces with shuffles only).
 LB_WARPS = 1
-# Thresholds per round of _lb_kernel's search and its early stop
-# (kth_largest_nt's E; -1: exact). Measured on the H200 (whole steps, one
-# call, experiments/logs/rowsel.log section 9), bisection -> 4 thresholds stopping at
-# most 4 maxima past k: 8 x 128k Quest / entmax top-k 1024 0.0964 / 0.1029
-# -> 0.0955 / 0.1015 ms, 8 x 32k 0.0510 / 0.0573 -> 0.0494 / 0.0560 (E = 0:
-# 0.0973 / 0.1033 at 128k).
+# Thresholds per round of _lb_kernel's search and its early stop (kth_largest_nt's E; -1: exact).
 LB_NT = 4
 LB_E = 4
 # Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
 MERGE_REGS = 16384
-# One _rowsel_kernel program per row after the group maxima instead of
-# _lb_kernel + _chunk_kernel + _merge_kernel, for widths up to ROWSEL_MAX_W
-# pages, except rows shorter than ROWSEL_MIN_PAGES with budgets of at most
-# ROWSEL_CHAIN_W pages when there are at least as many rows as SMs. Measured
-# on the final kernels (experiments/logs/rowsel.log section 11, paper heads, batch 1-8
-# x 32k-256k, ms): _rowsel_kernel is faster at every batch below 8 (up to
-# 28%: 1 x 64k Quest k1024 0.0398 -> 0.0284) except top-k 4096 at 1-2 x 32k
-# and 1 x 64k and top-k 1024 at 1 x 128k (+3-4.5%), and at batch 8 for
-# top-k 4096 at 32k / 64k (0.0860 -> 0.0789, 0.0983 -> 0.0907) and top-k
-# 1024 at 128k (Quest 0.0948 -> 0.0916); the chunked chain keeps batch 8's
-# top-k 1024 at 32k / 64k (1.5-4% faster there). The rule leaves
-# _rowsel_kernel 2% slower than the chain at 8 x 128k top-k 4096. (Before lb's
-# early stop, the cut from below and the smaller groups, rows below 16384
-# pages kept the chain: rowsel.log sections 1-6.)
-# Then: warps (0: 8 when every row has a multiprocessor of its own, else 4:
-# two programs per SM), keys per step of the general loop, groups per kept
-# page, largest group and smallest (more groups: fewer keys read past lb, a
-# longer search for it), thresholds counted per search round, candidates
-# searched in the short final tile, keys of the one-tile pass. 16 groups per
-# kept page with groups of at least 16 keys, against 8 per page (experiments/logs/
-# rowsel.log section 9, ROWSEL_E = 0 in both): top-k 4096 at 1 x 2M / 8 x 1M
-# 0.1644 / 0.5027 -> 0.1565 / 0.4996 ms (groups of 32 / 16 keys, not 64 /
-# 32), top-k 1024 at 8 x 512k Quest / entmax 0.2565 / 0.2673 -> 0.2517 /
-# 0.2599 (32, not 64); top-k 4096 at 8 x 512k stays at 16 (with 8: 0.2839 ->
-# 0.2882). Groups of at most 32 keys, not 64 (section 10): 8 x 1M Quest /
-# entmax top-k 1024 0.4591 / 0.4667 -> 0.4543 / 0.4605 ms, 1 x 2M the same.
+# One _rowsel_kernel program per row instead of the lb / chunk / merge chain, for widths up to
+# ROWSEL_MAX_W pages (use_rowsel); then its warps (0: by row count), keys per step, groups per kept
+# page, largest / smallest group, thresholds per round, final-tile candidates, one-tile keys.
 ROWSEL = True
 ROWSEL_MAX_W = 512
 ROWSEL_MIN_PAGES = 8192
@@ -142,40 +114,14 @@ ROWSEL_MIN_GS = 16
 ROWSEL_NT = 4
 ROWSEL_SMALL = 512
 ROWSEL_ONE = 8192
-# Rows whose one tile (of at most ROWSEL_FEW_TILE keys) holds at most
-# ROWSEL_FEW keys >= lb past the budget are cut from below in registers
-# (cut_from_below) instead of through the candidate buffer; -1: never.
-# Measured on the H200 (experiments/logs/rowsel.log section 8, whole steps, one
-# call): 1 x 2M Quest / entmax k1024 0.1440 / 0.1492 -> 0.1413 / 0.1466 ms,
-# 8 x 1M 0.4632 / 0.4751 -> 0.4605 / 0.4683; 8 x 512k within +0.7%; with
-# the 8192-key tiles of top-k 4096 8 x 1M 0.503 -> 0.518, hence the tile cap.
+# Rows whose one tile (<= ROWSEL_FEW_TILE keys) holds <= ROWSEL_FEW keys >= lb past the budget
+# are cut from below in registers instead of through the candidate buffer (-1: never).
 ROWSEL_FEW = 8
 ROWSEL_FEW_TILE = 4096
-# lb of _rowsel_kernel stops its search once at most k_row + ROWSEL_E group
-# maxima reach it (kth_largest_nt's E; -1: the exact k_row-th maximum).
-# E = 0 lists the same groups and saves the rounds inside the gap below the
-# k-th maximum: 1 x 2M Quest / entmax top-k 1024 0.1429 / 0.1479 -> 0.1401 /
-# 0.1455 ms, 8 x 512k 0.2587 / 0.2693 -> 0.2565 / 0.2673; E > 0 lists more
-# groups than the one tile holds (E = 1: 0.1441 / 0.1494 ms at 1 x 2M;
-# experiments/logs/rowsel.log section 9).
+# _rowsel_kernel's lb search stops once at most k_row + ROWSEL_E group maxima reach it (-1: exact).
 ROWSEL_E = 0
-# The overlapped selection (``use_overlap``: batch >= OVERLAP_MIN_BATCH, rows
-# of at most OVERLAP_MAX_KEYS key slots, widths _rowsel_kernel takes, PDL on,
-# no certified bounds): _keys_kernel runs its grid in batch order and raises
-# a counter per batch row after each chunk (a release atomic); then
-# _rowsel_kernel, a PDL launch that does not wait for it, polls its batch
-# row's counter (at most OVERLAP_POLLS loads, then it waits for the whole
-# keys pass instead), takes the row's group maxima itself (no _gmax_kernel)
-# and selects: the first batch rows' selections run while the keys pass's
-# last programs still read. The benchmark's steps against OVERLAP = False
-# in one call (experiments/logs/overlap_topk/run.log, ms): Quest / entmax top-k 1024
-# / entmax top-k 4096 at 8 x 32k 0.0490 / 0.0550 / 0.0785 -> 0.0468 /
-# 0.0544 / 0.0775, 8 x 128k 0.0919 / 0.0997 / 0.1255 -> 0.0885 / 0.0960 /
-# 0.1207, 8 x 512k 0.2517 / 0.2598 / 0.2845 -> 0.2468 / 0.2568 / 0.2781.
-# Found with benchmarks/overlap_proto.py (experiments/logs/overlap.log calls 12-15,
-# its variant kp999w4o): at 1 x 2M 17% slower (a program per row takes the
-# maxima of 131072 keys alone), hence the key cap; launched after the keys
-# pass (no PDL, no polling) no faster than the chain it replaces.
+# The overlapped selection (use_overlap): the keys pass raises a counter per batch row and
+# _rowsel_kernel, launched without waiting, polls it (at most OVERLAP_POLLS loads) and selects.
 OVERLAP = True
 OVERLAP_MIN_BATCH = 2
 OVERLAP_MAX_KEYS = 32768
