@@ -396,15 +396,15 @@ def test_attend_ready(alpha, G, finish, published, monkeypatch):
     assert torch.equal(again, plain) and seen[0][:2] == ("_split_kernel", 0)
     # a select between, POLL_READY off, or a selection wider than
     # POLL_MAX_TOKENS (25 pages of 8 here): no polling either
-    for case in ("between", "off", "wide"):
+    for variant in ("between", "off", "wide"):
         sel = Selection(ref.pages, ref.counts, pending=Pending(ready, C.launch_count()))
-        if case == "between":
+        if variant == "between":
             K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
-        monkeypatch.setattr(A, "POLL_READY", case != "off")
-        monkeypatch.setattr(A, "POLL_MAX_TOKENS", 199 if case == "wide" else 200)
+        monkeypatch.setattr(A, "POLL_READY", variant != "off")
+        monkeypatch.setattr(A, "POLL_MAX_TOKENS", 199 if variant == "wide" else 200)
         seen.clear()
         again, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
-        assert torch.equal(again, plain) and seen[0][:2] == ("_split_kernel", 0), case
+        assert torch.equal(again, plain) and seen[0][:2] == ("_split_kernel", 0), variant
     monkeypatch.setattr(A, "POLL_READY", True)
     bad = Selection(ref.pages, ref.counts, pending=Pending(ready[:1], C.launch_count()))
     with pytest.raises(ValueError, match="pending"):

@@ -208,7 +208,7 @@ def test_rowsel_publishes():
     tk = sys.modules["entmaxkv.kernels.topk"]
     keys = torch.randint(-1000, 1000, (3 * 64,), dtype=torch.int32, device=DEV)
     ready = torch.full((2, 3), 7, dtype=torch.int32, device=DEV)
-    opts = tk.launch_opts(keys.device)
+    opts = tk.launch_opts(keys.device, True)
     gmax, NKP, gs = tk.launch_gmax(keys, 3, 64, 16, 4, opts, ready=ready)
     assert bool((ready == 0).all())
     assert torch.equal(gmax.view(3, NKP).cpu(), keys.view(3, NKP, gs).amax(dim=2).cpu())
