@@ -7,10 +7,17 @@ Public API::
     cache = PagedKVCache(num_pages, page_size, kv_heads, head_dim, max_seqs=...)
     seq = cache.allocate(); cache.prefill(seq, k, v)
     out = decode(q, cache, [seq], TopK(1024), alpha=1.5)
+
+``entmaxkv.entmax`` is the module of the alpha-entmax mapping (thresholds,
+probabilities). Its function is ``from entmaxkv.entmax import entmax``, or
+``entmaxkv.alpha_entmax`` at the top level: re-exporting it as
+``entmaxkv.entmax`` would hide the module (``import entmaxkv.entmax as m``
+would then give the function).
 """
 from .cache import CacheFullError, PagedKVCache
 from .decode import decode
-from .entmax import entmax, entmax_threshold
+from .entmax import entmax as alpha_entmax
+from .entmax import entmax_threshold
 from .metrics import Quality, dense_attention, evaluate_selection
 from .policies import Certified, Full, Gaussian, TopK
 from .types import DecodeStats, Selection
@@ -27,9 +34,9 @@ __all__ = [
     "Quality",
     "Selection",
     "TopK",
+    "alpha_entmax",
     "decode",
     "dense_attention",
-    "entmax",
     "entmax_threshold",
     "evaluate_selection",
 ]
