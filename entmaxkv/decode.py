@@ -10,30 +10,43 @@ except the optional finiteness check of the query (see ``check_finite``).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import attention, scoring
-from .backend import Backend, resolve_backend
+from .backend import BACKENDS, Backend, resolve_backend
 from .cache import PagedKVCache
 from .policies import Full, Policy, check_policy
+from ._checks import as_bool, as_choice, as_float, describe, is_int
 from .types import DecodeStats
 
+
 def _seq_tensor(seq_ids, cache: PagedKVCache, batch: int) -> torch.Tensor:
-    """Validate sequence ids against the host bookkeeping; int32 [B] on device."""
+    """Validate sequence ids against the host bookkeeping; int32 [B] on device.
+
+    ``seq_ids``: an int32/int64 tensor [B], or a sequence (list, tuple, NumPy
+    array) of B ints (NumPy ints included).
+    """
+    want = f"a list of {batch} ints or an int32/int64 tensor of shape ({batch},)"
     if isinstance(seq_ids, torch.Tensor):
         if seq_ids.dim() != 1 or seq_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(
-                f"seq_ids: expected a 1-D int32/int64 tensor, got shape "
-                f"{tuple(seq_ids.shape)} dtype {seq_ids.dtype}"
+                f"seq_ids: expected {want}, got shape {tuple(seq_ids.shape)} dtype {seq_ids.dtype}"
             )
         host = seq_ids.tolist() if seq_ids.device.type == "cpu" else None
         ids = seq_ids
     else:
-        host = list(seq_ids)
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in host):
-            raise ValueError(f"seq_ids: expected ints, got {seq_ids!r}")
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__") or not hasattr(seq_ids, "__iter__"):
+            raise ValueError(f"seq_ids: expected {want}, got {describe(seq_ids)}")
+        if getattr(seq_ids, "ndim", 1) != 1:
+            raise ValueError(f"seq_ids: expected {want}, got an array of shape {seq_ids.shape}")
+        host = []
+        for i, s in enumerate(seq_ids):
+            if not is_int(s):
+                raise ValueError(f"seq_ids: expected {want}, got {describe(s)} at position {i}")
+            host.append(int(s))
         ids = torch.tensor(host, dtype=torch.int32)
     if ids.numel() != batch:
         raise ValueError(f"seq_ids: expected {batch} ids (one per query row), got {ids.numel()}")
@@ -49,7 +62,7 @@ def _seq_tensor(seq_ids, cache: PagedKVCache, batch: int) -> torch.Tensor:
 
 def _check_query(q: torch.Tensor, cache: PagedKVCache, check_finite: Optional[bool]) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else describe(q)
         raise ValueError(f"q: expected a [batch, q_heads, head_dim] tensor, got {shape}")
     if not q.is_floating_point():
         raise ValueError(f"q: expected a floating dtype, got {q.dtype}")
@@ -68,28 +81,38 @@ def _check_query(q: torch.Tensor, cache: PagedKVCache, check_finite: Optional[bo
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         check_finite = not capturing
     if check_finite and not bool(torch.isfinite(q).all()):
-        raise ValueError("q: contains NaN or infinite values")
+        raise ValueError("q: contains NaN or infinite values (expected finite values)")
 
 
 def _check_scalars(alpha, scale, D: int) -> Tuple[float, float]:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 1.0 or math.isinf(alpha):
-        raise ValueError(f"alpha: expected a finite number >= 1 (1 = softmax), got {alpha!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or math.isinf(scale):
-        raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
-    return float(alpha), float(scale)
+    """alpha >= 1 and scale > 0 (default 1/sqrt(D)) as Python floats; see _checks for what is a number."""
+    alpha = as_float(alpha, "alpha", lo=1.0)
+    scale = 1.0 / math.sqrt(D) if scale is None else as_float(scale, "scale", lo=0.0, lo_open=True)
+    return alpha, scale
 
 
 def _check_slopes(slopes, HQ: int, cache: PagedKVCache) -> Optional[torch.Tensor]:
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor) or slopes.shape != (HQ,) or not slopes.is_floating_point():
-        got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        got = f"shape {tuple(slopes.shape)} dtype {slopes.dtype}" if isinstance(slopes, torch.Tensor) else describe(slopes)
         raise ValueError(f"alibi_slopes: expected a float tensor of shape ({HQ},), got {got}")
     if slopes.device.type == "cpu" and not bool(torch.isfinite(slopes).all()):
-        raise ValueError("alibi_slopes: contains NaN or infinite values")
+        raise ValueError("alibi_slopes: contains NaN or infinite values (expected finite slopes)")
     return slopes.to(device=cache.device, dtype=torch.float32)
+
+
+def _check_kernel_config(config) -> None:
+    """None or a KernelConfig. The class is looked up among the loaded modules:
+    importing the kernels package needs Triton, and a KernelConfig instance
+    can only exist once that package has been imported."""
+    if config is None:
+        return
+    mod = sys.modules.get("entmaxkv.kernels.config")
+    if mod is None or not isinstance(config, mod.KernelConfig):
+        raise ValueError(
+            f"kernel_config: expected an entmaxkv.kernels.KernelConfig or None, got {describe(config)}"
+        )
 
 
 def decode(
@@ -117,11 +140,14 @@ def decode(
         q: [batch, q_heads, head_dim] float32/float16/bfloat16 (float64 for
             the reference oracle); q_heads a multiple of the cache's kv_heads.
         cache: PagedKVCache holding the sequences.
-        seq_ids: the cache slot of each query row: list of ints or an int
-            tensor [batch] (a CUDA tensor skips the host-side existence check).
+        seq_ids: the cache slot of each query row: a sequence of ints (list,
+            tuple or NumPy array) or an int32/int64 tensor [batch] (a CUDA
+            tensor skips the host-side existence check).
         policy: Full() (default), TopK(budget), Gaussian(...) or Certified(...).
         alpha: entmax alpha >= 1; 1 is softmax (TopK with alpha = 1 is Quest).
-        scale: score scale, default 1/sqrt(head_dim).
+        scale: score scale > 0, default 1/sqrt(head_dim). alpha and scale
+            are Python or NumPy numbers (not bool, not tensors: reading a
+            tensor's value would be a host synchronisation).
         alibi_slopes: optional float [q_heads]; score += slope * (j - pos_q),
             slope 0 = no positional bias (NAPE mixes both).
         out: optional [batch, q_heads, head_dim] tensor, q's dtype, written in place.
@@ -129,7 +155,7 @@ def decode(
             final tau, certificate).
         backend: "auto" (Triton on CUDA when available, else reference),
             "reference" or "triton".
-        check_finite: check q for NaN/inf. This costs one host synchronisation;
+        check_finite: None or a bool: check q for NaN/inf. This costs one host synchronisation;
             the default (None) checks unless a CUDA graph is being captured.
             Pass False in a latency-critical loop.
         kernel_config: the Triton kernels' launch choices
@@ -143,7 +169,12 @@ def decode(
         ValueError naming the offending argument for bad input.
     """
     if not isinstance(cache, PagedKVCache):
-        raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+        raise ValueError(f"cache: expected a PagedKVCache, got {describe(cache)}")
+    if check_finite is not None:
+        check_finite = as_bool(check_finite, "check_finite")
+    return_stats = as_bool(return_stats, "return_stats")
+    as_choice(backend, "backend", BACKENDS)
+    _check_kernel_config(kernel_config)
     _check_query(q, cache, check_finite)
     B, HQ, D = q.shape
     alpha, scale = _check_scalars(alpha, scale, D)
@@ -154,7 +185,8 @@ def decode(
         not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
         or out.device != q.device
     ):
-        raise ValueError(f"out: expected a tensor of shape {tuple(q.shape)}, dtype {q.dtype}, on {q.device}")
+        raise ValueError(f"out: expected a tensor of shape {tuple(q.shape)}, dtype {q.dtype}, on {q.device}, "
+                         f"got {describe(out)}")
     ids = _seq_tensor(seq_ids, cache, B)
     ops = resolve_backend(backend, q.device, kernel_config)
 

@@ -41,6 +41,8 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._checks import as_dim, as_float, as_float_tensor, check_reduced_shape
+
 __all__ = [
     "entmax_threshold",
     "entmax",
@@ -77,17 +79,16 @@ def _default_iters(alpha: float) -> int:
 
 
 def _check_alpha(alpha) -> float:
-    """Return ``alpha`` as a Python float; raise ValueError unless alpha >= 1 is finite."""
-    if isinstance(alpha, torch.Tensor):
-        # A tensor alpha would force a host sync on every call; refuse it loudly.
-        raise TypeError("alpha must be a Python float, not a tensor")
-    try:
-        a = float(alpha)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"alpha must be a real number >= 1, got {alpha!r}") from exc
-    if math.isnan(a) or math.isinf(a) or a < 1.0:
-        raise ValueError(f"alpha must be a finite number >= 1, got alpha={alpha!r}")
-    return a
+    """Return ``alpha`` as a Python float; raise ValueError unless alpha >= 1 is
+    a finite Python or NumPy number (a tensor alpha would force a host sync on
+    every call to choose the solver, so it is refused too)."""
+    return as_float(alpha, "alpha", lo=1.0)
+
+
+def _check_scores(x, dim, name: str = "x") -> int:
+    """Validate the score tensor and its distribution dim; return dim as an int."""
+    as_float_tensor(x, name, min_dim=1)
+    return as_dim(dim, "dim", x.dim())
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -414,8 +415,12 @@ def entmax_threshold(
     Both outputs are detached (no autograd graph). No host synchronisation.
 
     Raises:
-        ValueError: if alpha < 1, NaN or infinite.
+        ValueError: naming the argument: x not a floating tensor, alpha not a
+        finite number >= 1, dim out of range, tau_init of the wrong shape.
     """
+    dim = _check_scores(x, dim)
+    if tau_init is not None:
+        check_reduced_shape(tau_init, "tau_init", x, dim)
     return _threshold_impl(x, alpha, dim, tau_init)
 
 
@@ -438,6 +443,8 @@ def entmax_from_tau(
         p, same shape and dtype as x (computed in float32, or float64 when x
         or tau is float64). Differentiable w.r.t. x and tau by plain autograd.
     """
+    dim = _check_scores(x, dim)
+    check_reduced_shape(tau, "tau", x, dim)
     alpha = _check_alpha(alpha)
     cdt = torch.float64 if torch.float64 in (x.dtype, tau.dtype) else torch.float32
     z = x.movedim(dim, -1).to(cdt)
@@ -516,8 +523,10 @@ def entmax(x: torch.Tensor, alpha: float, dim: int = -1) -> torch.Tensor:
         outside the support (alpha > 1); all-masked rows give zeros.
 
     Differentiable (custom backward, O(n) memory and time; not twice
-    differentiable). Raises ValueError for alpha < 1, NaN or infinite.
+    differentiable). Raises ValueError naming the argument for x not a
+    floating tensor, alpha not a finite number >= 1 or dim out of range.
     """
+    dim = _check_scores(x, dim)
     alpha = _check_alpha(alpha)
     return _EntmaxFunction.apply(x, alpha, dim)
 

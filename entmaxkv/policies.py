@@ -20,39 +20,41 @@ from .attention import attend, selection_mask
 from .cache import PagedKVCache
 from .gaussian import normal_icdf, pooled_moments, solve_tau_hat
 from .scoring import PageLayout, bound_slack, gaussian_stats, page_layout, quest_bounds
+from ._checks import as_float, as_int, describe
 from .types import POLICIES, Certified, Full, Gaussian, Policy, Selection, TopK  # noqa: F401 (re-exported)
-
-
+from .types import check_policy_fields
 
 
 def check_policy(policy, *, alpha: float, page_size: int) -> None:
-    """Raise ValueError for a policy that cannot run with these settings."""
+    """Raise ValueError (naming ``policy.<field>``, ``alpha`` or
+    ``page_size``) for a policy that cannot run with these settings.
+
+    The fields were checked when the policy was built; they are checked
+    again here because a frozen dataclass can still be changed around its
+    constructor. What depends on the call is new: TopK budgets of at least
+    one page, and entmax (alpha > 1) for Gaussian and Certified.
+    """
     if not isinstance(policy, (Full, TopK, Gaussian, Certified)):
         raise ValueError(
-            f"policy: expected Full, TopK, Gaussian or Certified, got {type(policy).__name__}"
+            f"policy: expected a Full, TopK, Gaussian or Certified instance, got {describe(policy)}"
         )
-    for name in ("sinks", "window"):
-        val = getattr(policy, name, 0)
-        if not isinstance(val, int) or val < 0:
-            raise ValueError(f"policy.{name}: expected an int >= 0, got {val!r}")
-    if isinstance(policy, TopK):
-        if not isinstance(policy.budget, int) or policy.budget < page_size:
-            raise ValueError(
-                f"policy.budget: expected an int >= page_size ({page_size}), got {policy.budget!r}"
-            )
-    if isinstance(policy, Gaussian):
-        if not 0.0 < policy.q_max < 1.0:
-            raise ValueError(f"policy.q_max: expected a value in (0, 1), got {policy.q_max!r}")
-        if not policy.margin >= 0.0 or math.isinf(policy.margin):
-            raise ValueError(f"policy.margin: expected a finite value >= 0, got {policy.margin!r}")
+    alpha = as_float(alpha, "alpha", lo=1.0)
+    page_size = as_int(page_size, "page_size", lo=1)
+    check_policy_fields(policy, "policy")
+    if isinstance(policy, TopK) and policy.budget < page_size:
+        raise ValueError(
+            f"policy.budget: expected an int >= page_size ({page_size}), got {policy.budget!r}"
+        )
     if isinstance(policy, (Gaussian, Certified)) and alpha <= 1.0:
         raise ValueError(
             f"policy: {policy.name} needs entmax (alpha > 1); softmax (alpha = 1) has no "
             "sparse support to find: use Full or TopK"
         )
     if isinstance(policy, Certified):
-        if isinstance(policy.seed, Certified) or not isinstance(policy.seed, (TopK, Gaussian)):
-            raise ValueError("policy.seed: expected a TopK or Gaussian policy")
+        if isinstance(policy.seed, TopK) and policy.seed.budget < page_size:
+            raise ValueError(
+                f"policy.seed.budget: expected an int >= page_size ({page_size}), got {policy.seed.budget!r}"
+            )
         check_policy(policy.seed, alpha=alpha, page_size=page_size)
 
 

@@ -11,6 +11,8 @@ from typing import Optional, Union
 
 import torch
 
+from ._checks import as_bool, as_float, as_int, describe
+
 
 @dataclass
 class Selection:
@@ -97,14 +99,52 @@ class DecodeStats:
 
 
 # ----------------------------------------------------------------- policies
+# Each policy checks its fields when it is built (ValueError naming the
+# field) and stores them as plain Python values, so a NumPy number or bool
+# gives a policy equal to (and hashing like) the one built from Python values.
+# What depends on the cache or alpha is checked by policies.check_policy.
+
+
+def check_policy_fields(policy, prefix: str) -> dict:
+    """The checked field values of ``policy`` (error messages name them as
+    ``prefix.field``): ints >= 0 for sinks/window, a bool per_query_head,
+    TopK budget >= 1, Gaussian q_max in (0, 1), finite margin >= 0, bool
+    pooled, and a TopK or Gaussian seed for Certified."""
+    vals = {"per_query_head": as_bool(policy.per_query_head, f"{prefix}.per_query_head")}
+    if isinstance(policy, Full):
+        return vals
+    for name in ("sinks", "window"):
+        vals[name] = as_int(getattr(policy, name), f"{prefix}.{name}", lo=0)
+    if isinstance(policy, TopK):
+        vals["budget"] = as_int(policy.budget, f"{prefix}.budget", lo=1)
+    elif isinstance(policy, Gaussian):
+        vals["q_max"] = as_float(policy.q_max, f"{prefix}.q_max", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+        vals["margin"] = as_float(policy.margin, f"{prefix}.margin", lo=0.0)
+        vals["pooled"] = as_bool(policy.pooled, f"{prefix}.pooled")
+    elif isinstance(policy, Certified):
+        if not isinstance(policy.seed, (TopK, Gaussian)):
+            raise ValueError(f"{prefix}.seed: expected a TopK or Gaussian policy, got {describe(policy.seed)}")
+    return vals
+
+
+def _store_checked(policy) -> None:
+    for name, value in check_policy_fields(policy, type(policy).__name__).items():
+        object.__setattr__(policy, name, value)
 
 
 @dataclass(frozen=True)
 class Full:
-    """Read every page: dense attention over the whole cache."""
+    """Read every page: dense attention over the whole cache.
+
+    Attributes:
+        per_query_head: bool, one selection per query head (default: per KV head).
+    """
 
     per_query_head: bool = False
     name = "full"
+
+    def __post_init__(self) -> None:
+        _store_checked(self)
 
 
 @dataclass(frozen=True)
@@ -115,7 +155,10 @@ class TopK:
     page budget goes to the highest-bound pages. With alpha = 1 this is Quest.
 
     Attributes:
-        budget: token budget (>= page size); pages kept = max(budget // P, forced).
+        budget: int token budget, >= 1 here and >= the cache's page size at
+            decode; pages kept = max(budget // P, forced).
+        sinks, window: ints >= 0: first / last pages always kept.
+        per_query_head: bool, one selection per query head.
     """
 
     budget: int = 1024
@@ -124,18 +167,22 @@ class TopK:
     per_query_head: bool = False
     name = "topk"
 
+    def __post_init__(self) -> None:
+        _store_checked(self)
+
 
 @dataclass(frozen=True)
 class Gaussian:
     """Gaussian-aware selection with an estimated entmax threshold tau_hat.
 
     Attributes:
-        q_max: quantile of a page's largest score used to screen it (z =
-            Phi^{-1}(q_max^(1/n)) for a page of n tokens).
-        margin: >= 0, in tau units: pages are kept when
+        q_max: number in (0, 1): quantile of a page's largest score used to
+            screen it (z = Phi^{-1}(q_max^(1/n)) for a page of n tokens).
+        margin: finite number >= 0, in tau units: pages are kept when
             (alpha-1) * (mu + z sigma) > tau_hat - margin.
-        pooled: one pooled Gaussian for the whole row instead of the
+        pooled: bool, one pooled Gaussian for the whole row instead of the
             page mixture when solving for tau_hat (cheaper, coarser).
+        sinks, window, per_query_head: as for TopK.
     """
 
     q_max: float = 0.995
@@ -145,6 +192,9 @@ class Gaussian:
     window: int = 0
     per_query_head: bool = False
     name = "gaussian"
+
+    def __post_init__(self) -> None:
+        _store_checked(self)
 
 
 @dataclass(frozen=True)
@@ -157,6 +207,10 @@ class Certified:
     satisfies (alpha-1) * u_p <= tau_A <= tau_{A'} <= tau_full: one
     augmentation already certifies the result, so the loop of docs/spec.md §5
     always stops after this round (its second pass adds nothing).
+
+    Attributes:
+        seed: a TopK or Gaussian policy (default TopK(1024)).
+        sinks, window, per_query_head: as for TopK.
     """
 
     seed: Union[TopK, Gaussian] = field(default_factory=lambda: TopK(1024))
@@ -164,6 +218,9 @@ class Certified:
     window: int = 0
     per_query_head: bool = False
     name = "certified"
+
+    def __post_init__(self) -> None:
+        _store_checked(self)
 
 
 Policy = Union[Full, TopK, Gaussian, Certified]

@@ -16,11 +16,43 @@ from typing import List, Optional
 
 import torch
 
+from .._checks import as_bool, as_choice, as_dtype, as_float, as_int, describe, is_int
+from ..backend import BACKENDS
 from ..cache import PagedKVCache
-from ..policies import Certified, Full, Gaussian, TopK
+from ..policies import Certified, Full, Gaussian, TopK, check_policy
 from .lm import TransformerLM
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+POLICY_NAMES = ("full", "topk", "gaussian", "certified")
+# torch.Generator.manual_seed takes seeds in [0, 2**64).
+SEED_MAX = 2**64 - 1
+
+
+def _check_model(model) -> TransformerLM:
+    if not isinstance(model, TransformerLM):
+        raise ValueError(f"model: expected a TransformerLM, got {describe(model)}")
+    return model
+
+
+def _check_cache_dtype(dtype) -> Optional[torch.dtype]:
+    return None if dtype is None else as_dtype(dtype, "cache_dtype", tuple(DTYPES.values()))
+
+
+def _check_tokens(tokens, name: str, shape: tuple, vocab: int) -> torch.Tensor:
+    """An integer tensor of ``shape`` (None: any size there) with ids in [0, vocab).
+    The ids are read only for CPU tensors (elsewhere that would synchronise)."""
+    text = "[" + ", ".join("T" if n is None else str(n) for n in shape) + "]"
+    ok = (isinstance(tokens, torch.Tensor) and tokens.dim() == len(shape) and tokens.dtype in
+          (torch.int64, torch.int32, torch.int16, torch.uint8)
+          and all(n is None or n == m for n, m in zip(shape, tokens.shape)))
+    if not ok:
+        raise ValueError(f"{name}: expected an integer tensor of shape {text}, got {describe(tokens)}")
+    if tokens.device.type == "cpu" and tokens.numel() and not (
+        int(tokens.min()) >= 0 and int(tokens.max()) < vocab
+    ):
+        raise ValueError(f"{name}: expected token ids in [0, {vocab}), got values in "
+                         f"[{int(tokens.min())}, {int(tokens.max())}]")
+    return tokens
 
 
 def make_policy(name: str, *, budget: int = 1024, q_max: float = 0.995, margin: float = 0.0,
@@ -29,17 +61,22 @@ def make_policy(name: str, *, budget: int = 1024, q_max: float = 0.995, margin: 
 
     name: "full", "topk" (``budget`` tokens), "gaussian" (``q_max``,
     ``margin``, ``pooled``) or "certified" (seeded by TopK(``seed_budget`` or
-    ``budget``)).
+    ``budget``)). Every setting is checked whichever policy is named
+    (ValueError naming it).
     """
+    name = as_choice(name, "name", POLICY_NAMES)
+    budget = as_int(budget, "budget", lo=1)
+    q_max = as_float(q_max, "q_max", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+    margin = as_float(margin, "margin", lo=0.0)
+    pooled = as_bool(pooled, "pooled")
+    seed_budget = budget if seed_budget is None else as_int(seed_budget, "seed_budget", lo=1)
     if name == "full":
         return Full()
     if name == "topk":
         return TopK(budget=budget)
     if name == "gaussian":
         return Gaussian(q_max=q_max, margin=margin, pooled=pooled)
-    if name == "certified":
-        return Certified(seed=TopK(budget=seed_budget or budget))
-    raise ValueError(f"policy: expected full, topk, gaussian or certified, got {name!r}")
+    return Certified(seed=TopK(budget=seed_budget))
 
 
 class DecodeSession:
@@ -47,16 +84,25 @@ class DecodeSession:
 
     Args:
         model: the TransformerLM (its parameters' device is used).
-        batch: sequences decoded together.
-        max_len: longest sequence (prompt + generated tokens).
-        page_size: tokens per cache page.
-        cache_dtype: storage dtype of the caches (default: the model's).
-        backend: passed to ``entmaxkv.decode``.
+        batch: int >= 1, sequences decoded together.
+        max_len: int >= 1, longest sequence (prompt + generated tokens).
+        page_size: int >= 1, tokens per cache page.
+        cache_dtype: storage dtype of the caches, float32/float16/bfloat16
+            (default: the model's).
+        backend: "auto", "reference" or "triton", passed to ``entmaxkv.decode``.
+        copies: int >= 1, decode streams over the same prompt (see ``prefill``).
     """
 
     def __init__(self, model: TransformerLM, batch: int, max_len: int, *, page_size: int = 16,
                  cache_dtype: Optional[torch.dtype] = None, backend: str = "auto",
                  copies: int = 1) -> None:
+        _check_model(model)
+        batch = as_int(batch, "batch", lo=1)
+        max_len = as_int(max_len, "max_len", lo=1)
+        page_size = as_int(page_size, "page_size", lo=1)
+        copies = as_int(copies, "copies", lo=1)
+        cache_dtype = _check_cache_dtype(cache_dtype)
+        backend = as_choice(backend, "backend", BACKENDS)
         cfg = model.cfg
         p = next(model.parameters())
         self.model, self.device, self.backend = model, p.device, backend
@@ -75,6 +121,7 @@ class DecodeSession:
         self.slots = [slots[i * batch:(i + 1) * batch] for i in range(copies)]
         self.lengths = [0] * copies
         self.batch = batch
+        self.max_len = max_len
 
     @property
     def length(self) -> int:
@@ -84,9 +131,14 @@ class DecodeSession:
         """tokens long [batch, T] -> logits of the last position [batch, vocab].
         Every copy receives the same prompt. ``chunk``: query rows per block
         of the full attention (default: about 2^28 scores per block)."""
-        if tokens.shape[0] != self.batch:
-            raise ValueError(f"tokens: expected {self.batch} rows, got {tokens.shape[0]}")
-        if chunk is None:
+        _check_tokens(tokens, "tokens", (self.batch, None), self.model.cfg.vocab_size)
+        if not 1 <= tokens.shape[1] <= self.max_len:
+            raise ValueError(f"tokens: expected 1 to max_len ({self.max_len}) tokens per row, got {tokens.shape[1]}")
+        if any(self.lengths):
+            raise ValueError("tokens: these caches were prefilled already (expected one prefill, then steps)")
+        if chunk is not None:
+            chunk = as_int(chunk, "chunk", lo=1)
+        else:
             T = tokens.shape[1]
             chunk = max(64, (1 << 28) // max(1, self.batch * self.model.cfg.n_heads * T))
         logits = self.model.prefill(tokens.to(self.device), self.caches, self.slots[0], chunk=chunk,
@@ -97,7 +149,12 @@ class DecodeSession:
     def step(self, tokens: torch.Tensor, policy, *, return_stats: bool = False, layer_hook=None,
              copy: int = 0):
         """Feed one token per sequence (long [batch]) of copy ``copy``; returns
-        logits [batch, vocab] (and per-layer DecodeStats with ``return_stats``)."""
+        logits [batch, vocab] (and per-layer DecodeStats with ``return_stats``).
+        ``policy`` is checked by ``entmaxkv.decode``."""
+        copy = as_int(copy, "copy", lo=0, hi=len(self.slots) - 1)
+        _check_tokens(tokens, "tokens", (self.batch,), self.model.cfg.vocab_size)
+        if self.lengths[copy] >= self.max_len:
+            raise ValueError(f"tokens: copy {copy} already holds max_len ({self.max_len}) tokens")
         pos = torch.full((self.batch,), self.lengths[copy], dtype=torch.long, device=self.device)
         res = self.model.decode_step(
             tokens.to(self.device), self.caches, self.slots[copy], policy, positions=pos,
@@ -111,8 +168,20 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 
                 top_p: float = 1.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Next token per row from logits [B, V]: greedy when temperature == 0,
     else sampling from softmax(logits / temperature) restricted to the top_k
-    tokens (0 = all) and to the smallest set of mass >= top_p."""
-    if temperature <= 0.0:
+    tokens (0 = all) and to the smallest set of mass >= top_p.
+
+    logits: float [B, V]; temperature: finite number >= 0; top_k: int >= 0;
+    top_p: number in (0, 1]; generator: a CPU torch.Generator or None.
+    Raises ValueError naming the argument otherwise.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected a float tensor [batch, vocab], got {describe(logits)}")
+    temperature = as_float(temperature, "temperature", lo=0.0)
+    top_k = as_int(top_k, "top_k", lo=0)
+    top_p = as_float(top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator or None, got {describe(generator)}")
+    if temperature == 0.0:
         return logits.argmax(-1)
     z = logits.float() / temperature
     if top_k and top_k < z.shape[-1]:
@@ -127,6 +196,25 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 
     probs = z.softmax(-1)
     # Sample on the CPU so a seed gives the same tokens on every device.
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def _prompt_tensor(prompt, vocab: int) -> torch.Tensor:
+    """long [B, T] from the ``prompt`` argument of ``generate``."""
+    if isinstance(prompt, (str, bytes)) or prompt is None:
+        raise ValueError(f"prompt: expected integer token ids [B, T] or [T] (encode text first), "
+                         f"got {describe(prompt)}")
+    if not isinstance(prompt, torch.Tensor):
+        try:
+            prompt = torch.as_tensor(prompt)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"prompt: expected integer token ids [B, T] or [T], got {describe(prompt)}") from None
+    if prompt.dim() == 1:
+        prompt = prompt[None]
+    if prompt.dim() != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt: expected token ids [B, T] or [T] with T >= 1, got {describe(prompt)}")
+    if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
+        raise ValueError(f"prompt: expected integer token ids, got dtype {prompt.dtype}")
+    return _check_tokens(prompt.to(torch.long), "prompt", (None, None), vocab)
 
 
 @dataclass
@@ -156,20 +244,36 @@ def generate(
 ) -> Generation:
     """Continue each prompt row by ``max_new_tokens`` tokens through EntmaxKV.
 
-    prompt: long [B, T] (T >= 1, equal lengths). The first T - 1 tokens are
-    prefilled with full attention; the last prompt token and every generated
-    token then go through ``entmaxkv.decode`` with ``policy`` (default
-    Full()), so every new token is predicted by the sparse decode path.
-    Sampling uses a CPU generator seeded with ``seed`` (deterministic).
-    ``stop_token``: stop once every row has produced it.
+    prompt: integer token ids [B, T] or [T] (tensor, NumPy array or list; T >= 1,
+    ids in [0, vocab)). The first T - 1 tokens are prefilled with full
+    attention; the last prompt token and every generated token then go
+    through ``entmaxkv.decode`` with ``policy`` (default Full()), so every
+    new token is predicted by the sparse decode path. ``max_new_tokens`` >= 1.
+    Sampling (``temperature`` > 0; 0 is greedy) uses a CPU generator seeded
+    with ``seed`` (an int >= 0; deterministic); see ``sample_next`` for
+    ``top_k`` and ``top_p``. ``stop_token``: an id in [0, vocab), stop once
+    every row has produced it. Every argument is checked before any work
+    (ValueError naming it); the policy against the model's alpha and
+    ``page_size``.
     """
-    policy = policy or Full()
-    prompt = torch.as_tensor(prompt, dtype=torch.long)
-    if prompt.dim() == 1:
-        prompt = prompt[None]
+    _check_model(model)
+    vocab = model.cfg.vocab_size
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens", lo=1)
+    temperature = as_float(temperature, "temperature", lo=0.0)
+    top_k = as_int(top_k, "top_k", lo=0)
+    top_p = as_float(top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
+    seed = as_int(seed, "seed", lo=0, hi=SEED_MAX)
+    page_size = as_int(page_size, "page_size", lo=1)
+    cache_dtype = _check_cache_dtype(cache_dtype)
+    backend = as_choice(backend, "backend", BACKENDS)
+    keep_logits = as_bool(keep_logits, "keep_logits")
+    return_stats = as_bool(return_stats, "return_stats")
+    if stop_token is not None:
+        stop_token = as_int(stop_token, "stop_token", lo=0, hi=vocab - 1)
+    policy = Full() if policy is None else policy
+    check_policy(policy, alpha=model.cfg.attn_alpha, page_size=page_size)
+    prompt = _prompt_tensor(prompt, vocab)
     B, T = prompt.shape
-    if T < 1:
-        raise ValueError("prompt: needs at least one token")
     sess = DecodeSession(model, B, T + max_new_tokens, page_size=page_size,
                          cache_dtype=cache_dtype, backend=backend)
     if T > 1:

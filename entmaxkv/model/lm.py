@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import as_choice, as_float, as_int, describe
+
 
 @dataclass
 class ModelConfig:
@@ -48,16 +50,21 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.attention not in ("entmax", "softmax"):
-            raise ValueError(f"attention: expected 'entmax' or 'softmax', got {self.attention!r}")
-        if self.attention == "entmax" and not self.alpha > 1.0:
-            raise ValueError(f"alpha: entmax needs alpha > 1, got {self.alpha}")
-        if self.positions not in ("nape", "rope", "alibi", "nope"):
-            raise ValueError(f"positions: unknown scheme {self.positions!r}")
-        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError("d_model must divide by n_heads and n_heads by n_kv_heads")
+        """Check every field (ValueError naming it) and store plain Python values."""
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "train_context"):
+            setattr(self, name, as_int(getattr(self, name), name, lo=1))
+        for name in ("rope_base", "norm_eps", "init_std"):
+            setattr(self, name, as_float(getattr(self, name), name, lo=0.0, lo_open=True))
+        self.attention = as_choice(self.attention, "attention", ("entmax", "softmax"))
+        self.positions = as_choice(self.positions, "positions", ("nape", "rope", "alibi", "nope"))
+        # alpha is unused by softmax but stored with the weights: keep it a number either way.
+        self.alpha = as_float(self.alpha, "alpha", lo=1.0, lo_open=self.attention == "entmax")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads: expected a divisor of d_model ({self.d_model}), got {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads: expected a divisor of n_heads ({self.n_heads}), got {self.n_kv_heads}")
         if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError("rope needs an even head_dim")
+            raise ValueError(f"positions: 'rope' needs an even head_dim (d_model / n_heads), got {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -213,6 +220,8 @@ class TransformerLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg: expected a ModelConfig, got {describe(cfg)}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
