@@ -3,6 +3,12 @@
 `entmaxkv demo` is the main job (see entmaxkv/demo.py). The model and
 evaluation commands live in entmaxkv/model and entmaxkv/eval; each module
 contributes an ``add_<name>_args(parser)`` and a ``run_<name>(args)``.
+
+Bad input never ends in a traceback: a flag of the wrong type or range is
+an argparse error (the flags' types come from entmaxkv/_checks.py), flags
+that do not fit together are a ValueError raised by the command before any
+work starts, and any ValueError from the library is reported the same way:
+one line ``<prog>: error: <message>`` on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -23,8 +29,37 @@ EXTRA_COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (status 2),
+    not the usage text followed by the error; ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def one_line(message) -> str:
+    """``message`` with every run of whitespace (newlines included) made one space."""
+    return " ".join(str(message).split())
+
+
+def run(parser: argparse.ArgumentParser, argv: Optional[List[str]] = None) -> int:
+    """Parse ``argv`` and run the command the parser set as ``func``; return
+    the exit status instead of raising SystemExit (0 after --help/--version,
+    2 for bad input, which is reported as one line on stderr)."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    prog = getattr(args, "cli_prog", parser.prog)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="entmaxkv",
         description="Fast long-context decoding with alpha-entmax attention over a paged KV cache.",
     )
@@ -39,18 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
         "mass delta, support recall rho, relative error R and time per policy.",
     )
     add_demo_args(d)
-    d.set_defaults(func=main_demo)
+    d.set_defaults(func=main_demo, cli_prog=d.prog)
     for name, (module, help_text) in EXTRA_COMMANDS.items():
         mod = importlib.import_module(module)
         sp = sub.add_parser(name, help=help_text, description=help_text)
         getattr(mod, f"add_{name}_args")(sp)
-        sp.set_defaults(func=getattr(mod, f"run_{name}"))
+        sp.set_defaults(func=getattr(mod, f"run_{name}"), cli_prog=sp.prog)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run ``entmaxkv`` with ``argv`` (default sys.argv[1:]); returns the exit status."""
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

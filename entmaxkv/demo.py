@@ -19,6 +19,7 @@ from typing import List
 import torch
 from tqdm import tqdm
 
+from ._checks import device_flag, float_flag, int_flag
 from .cache import PagedKVCache
 from .backend import resolve_backend
 from .decode import decode, run_step
@@ -28,40 +29,59 @@ from .policies import Certified, Full, Gaussian, TopK
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+POS = int_flag(lo=1)
+NONNEG = int_flag(lo=0)
+
+
 def add_demo_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache")
-    g.add_argument("--seq-len", type=int, default=16384, help="tokens per sequence (default 16384)")
-    g.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
-    g.add_argument("--q-heads", type=int, default=8, help="query heads (default 8)")
-    g.add_argument("--kv-heads", type=int, default=4, help="KV heads (default 4)")
-    g.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    g.add_argument("--seq-len", type=POS, default=16384, help="tokens per sequence (default 16384)")
+    g.add_argument("--batch", type=POS, default=2, help="sequences (default 2)")
+    g.add_argument("--q-heads", type=POS, default=8, help="query heads, a multiple of --kv-heads (default 8)")
+    g.add_argument("--kv-heads", type=POS, default=4, help="KV heads (default 4)")
+    g.add_argument("--head-dim", type=POS, default=64, help="head dimension (default 64)")
+    g.add_argument("--page-size", type=POS, default=16, help="tokens per page (default 16)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="cache dtype (default float16)")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--device", type=device_flag, default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--seed", type=NONNEG, default=0, help="random seed (default 0)")
     g.add_argument("--data", choices=["clustered", "normal"], default="clustered",
                    help="clustered: keys sit around a new random centre every --cluster tokens "
                    "with --noise spread, a stand-in for the locality of real caches; normal: "
                    "i.i.d. standard-normal Q/K/V, the paper's synthetic setting, where entmax is "
                    "barely sparse (default clustered)")
-    g.add_argument("--cluster", type=int, default=16, help="tokens per key cluster for --data clustered")
-    g.add_argument("--noise", type=float, default=0.3, help="within-cluster key noise for --data clustered")
-    g.add_argument("--q-scale", type=float, default=1.0, help="multiply queries by this (sharper attention)")
+    g.add_argument("--cluster", type=POS, default=16, help="tokens per key cluster for --data clustered")
+    g.add_argument("--noise", type=float_flag(lo=0.0), default=0.3,
+                   help="within-cluster key noise (>= 0) for --data clustered")
+    g.add_argument("--q-scale", type=float_flag(lo=0.0, lo_open=True), default=1.0,
+                   help="multiply queries by this (> 0; larger: sharper attention)")
     g = p.add_argument_group("attention and policies")
-    g.add_argument("--alpha", type=float, default=1.5, help="entmax alpha > 1 for the entmax rows (default 1.5)")
+    g.add_argument("--alpha", type=float_flag(lo=1.0, lo_open=True), default=1.5,
+                   help="entmax alpha > 1 for the entmax rows (default 1.5; the softmax rows always run)")
     g.add_argument("--alibi", action="store_true", help="add ALiBi slopes to half the heads (NAPE)")
-    g.add_argument("--budget", type=int, default=1024, help="top-k token budget (default 1024)")
-    g.add_argument("--q-max", type=float, default=0.995, help="Gaussian page-max quantile (default 0.995)")
-    g.add_argument("--margin", type=float, default=0.0, help="Gaussian threshold margin, tau units (default 0)")
+    g.add_argument("--budget", type=POS, default=1024,
+                   help="top-k token budget, at least --page-size (default 1024)")
+    g.add_argument("--q-max", type=float_flag(lo=0.0, hi=1.0, lo_open=True, hi_open=True), default=0.995,
+                   help="Gaussian page-max quantile in (0, 1) (default 0.995)")
+    g.add_argument("--margin", type=float_flag(lo=0.0), default=0.0,
+                   help="Gaussian threshold margin >= 0, tau units (default 0)")
     g.add_argument("--pooled", action="store_true", help="pooled Gaussian tau estimate instead of page mixture")
-    g.add_argument("--sinks", type=int, default=0, help="attention-sink pages kept by every policy")
-    g.add_argument("--window", type=int, default=0, help="local-window pages kept by every policy")
+    g.add_argument("--sinks", type=NONNEG, default=0, help="attention-sink pages kept by every policy")
+    g.add_argument("--window", type=NONNEG, default=0, help="local-window pages kept by every policy")
     g.add_argument("--per-query-head", action="store_true", help="select per query head instead of per KV head")
     g.add_argument("--policy", action="append", default=None,
                    choices=["full", "topk", "gaussian", "certified"],
                    help="run only these policies (repeatable; default all)")
-    g.add_argument("--repeats", type=int, default=3, help="timed decode calls per policy (default 3)")
+    g.add_argument("--repeats", type=POS, default=3, help="timed decode calls per policy (default 3)")
     g.add_argument("--json", action="store_true", help="print one JSON object per policy row instead of a table")
+
+
+def check_demo_args(args) -> None:
+    """ValueError naming the flag for settings that do not fit together (the
+    flags' own ranges are checked by argparse)."""
+    if args.q_heads % args.kv_heads:
+        raise ValueError(f"--q-heads: expected a multiple of --kv-heads ({args.kv_heads}), got {args.q_heads}")
+    if args.budget < args.page_size:
+        raise ValueError(f"--budget: expected at least --page-size ({args.page_size}) tokens, got {args.budget}")
 
 
 @dataclass
@@ -134,8 +154,7 @@ def _sync(device) -> None:
 
 
 def run_demo(args) -> List[Row]:
-    if args.alpha <= 1.0:
-        raise SystemExit("entmaxkv demo: --alpha must be > 1 (softmax rows are always included)")
+    check_demo_args(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cache, seqs, q = build_cache(args, device)
     slopes = nape_slopes(args.q_heads).to(device) if args.alibi else None
@@ -146,7 +165,7 @@ def run_demo(args) -> List[Row]:
         kw = dict(alpha=alpha, alibi_slopes=slopes)
         out, stats = decode(q, cache, seqs, pol, return_stats=True, **kw)  # also the warm-up
         times = []
-        for _ in range(max(args.repeats, 1)):
+        for _ in range(args.repeats):
             _sync(device)
             t0 = time.perf_counter()
             decode(q, cache, ids, pol, check_finite=False, **kw)

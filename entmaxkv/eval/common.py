@@ -5,18 +5,27 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..model.checkpoint import load_model
+from .._checks import device_flag, float_flag, int_flag
+from ..backend import BACKENDS
+from ..model.checkpoint import check_model_dir, load_model
+from ..model.data import passkey_min_length
 from ..model.lm import ModelConfig, TransformerLM
 from ..policies import Certified, Full, Gaussian, TopK
 
 TWINS = ("entmax", "softmax")
 # Certified decoding must reproduce full-cache logits to rounding (float32).
 CERT_TOL = 1e-4
+
+
+POS = int_flag(lo=1)
+NONNEG = int_flag(lo=0)
+Q_MAX = float_flag(lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+NONNEG_FLOAT = float_flag(lo=0.0)
 
 
 def add_common_args(p: argparse.ArgumentParser, *, out_default: str) -> None:
@@ -27,16 +36,43 @@ def add_common_args(p: argparse.ArgumentParser, *, out_default: str) -> None:
                    help="use randomly initialised tiny twins instead of checkpoints (CI smoke runs)")
     g.add_argument("--out", default=out_default, help=f"output JSON path (default {out_default}); "
                    "the plot goes next to it with a .png suffix")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--backend", choices=["auto", "reference", "triton"], default="auto",
+    g.add_argument("--device", type=device_flag, default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="entmaxkv.decode backend (default auto)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the evaluation data (default 0)")
+    g.add_argument("--page-size", type=POS, default=16, help="tokens per cache page (default 16)")
+    g.add_argument("--seed", type=NONNEG, default=0, help="seed of the evaluation data (default 0)")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
+def add_gaussian_args(g) -> None:
+    """--q-max and --margin of the Gaussian policy (argument group ``g``)."""
+    g.add_argument("--q-max", type=Q_MAX, default=0.995, help="Gaussian page-max quantile in (0, 1)")
+    g.add_argument("--margin", type=NONNEG_FLOAT, default=0.0, help="Gaussian threshold margin >= 0")
+
+
+def check_common_args(args) -> None:
+    """ValueError naming the flag for a --checkpoints folder without the twins
+    (unless --random-tiny) or an --out that is a folder; before any work."""
+    if not args.random_tiny:
+        for name in TWINS:
+            check_model_dir(Path(args.checkpoints) / name, "--checkpoints")
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out: expected a JSON file path, {args.out!r} is a folder")
+
+
+def check_prompt_lengths(flag: str, lengths, stream_len: Optional[int] = None) -> None:
+    """ValueError naming ``flag`` for a passkey prompt length below the
+    shortest prompt, or (``stream_len`` given) not below the test split's size."""
+    lo = passkey_min_length()
+    for L in lengths:
+        if L < lo or (stream_len is not None and L >= stream_len):
+            hi = f" and < {stream_len} (the test split's bytes)" if stream_len is not None else ""
+            raise ValueError(f"{flag}: expected passkey prompt lengths >= {lo}{hi}, got {L}")
+
+
 def setup(args) -> torch.device:
-    """Device and float32 numerics (no TF32: certified vs full is checked to 1e-4)."""
+    """Device and float32 numerics (no TF32: certified vs full is checked to 1e-4).
+    Run it after the command's checks: it changes global torch settings."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..model.data import PK_DIGITS, decode as detok, draw_key, load_split, passkey_prompt
-from ..model.generate import DecodeSession
-from .common import (CERT_TOL, TWINS, Timer, add_common_args, certified_check, certified_line, device_info,
+from ..model.data import PK_DIGITS, decode as detok, draw_key, load_split, passkey_min_length, passkey_prompt
+from ..model.generate import DecodeSession, check_budget_flags
+from .common import (CERT_TOL, POS, TWINS, Timer, add_common_args, add_gaussian_args,
+                     check_common_args, check_prompt_lengths, certified_check, certified_line, device_info,
                      load_twins, model_info, png_path, rel_err, setup, stats_certified, stats_coverage,
                      twin_policies, write_json)
 
@@ -34,15 +35,22 @@ from .common import (CERT_TOL, TWINS, Timer, add_common_args, certified_check, c
 def add_passkey_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p, out_default="results/passkey.json")
     g = p.add_argument_group("passkey")
-    g.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
-                   help="context lengths in tokens (default 2048 4096 8192 16384)")
-    g.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024],
-                   help="top-k token budgets (default 128 256 512 1024)")
-    g.add_argument("--trials", type=int, default=8, help="prompts per length (default 8)")
-    g.add_argument("--q-max", type=float, default=0.995, help="Gaussian page-max quantile")
-    g.add_argument("--margin", type=float, default=0.0, help="Gaussian threshold margin")
-    g.add_argument("--certified-seed-budget", type=int, default=256,
-                   help="budget of the TopK seed of the certified policy (default 256)")
+    g.add_argument("--lengths", type=POS, nargs="+", default=[2048, 4096, 8192, 16384],
+                   help=f"context lengths in tokens, >= {passkey_min_length()} (default 2048 4096 8192 16384)")
+    g.add_argument("--budgets", type=POS, nargs="+", default=[128, 256, 512, 1024],
+                   help="top-k token budgets, at least --page-size (default 128 256 512 1024)")
+    g.add_argument("--trials", type=POS, default=8, help="prompts per length (default 8)")
+    add_gaussian_args(g)
+    g.add_argument("--certified-seed-budget", type=POS, default=256,
+                   help="budget of the TopK seed of the certified policy, at least --page-size (default 256)")
+
+
+def check_passkey_args(args, stream_len: Optional[int] = None) -> None:
+    """ValueError naming the flag, before any work (``stream_len``: the test
+    split's size, to check the lengths against it)."""
+    check_common_args(args)
+    check_prompt_lengths("--lengths", args.lengths, stream_len)
+    check_budget_flags(args, {"--budgets": args.budgets, "--certified-seed-budget": [args.certified_seed_budget]})
 
 
 def build_prompts(stream: np.ndarray, L: int, trials: int, rng: np.random.Generator):
@@ -58,10 +66,12 @@ def build_prompts(stream: np.ndarray, L: int, trials: int, rng: np.random.Genera
 
 @torch.no_grad()
 def run_passkey(args: argparse.Namespace) -> int:
+    check_passkey_args(args)
+    stream = load_split("test")
+    check_passkey_args(args, len(stream))
     device = setup(args)
     clock = Timer()
     models = load_twins(args, device)
-    stream = load_split("test")
     cells, cert_checks = [], []
     bar = tqdm(total=len(args.lengths) * len(TWINS), desc="passkey", file=sys.stderr)
     for L in args.lengths:
@@ -190,9 +200,13 @@ def plot_passkey(result: dict, path) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Passkey retrieval accuracy over lengths and budgets.")
+    from ..cli import Parser, run
+
+    p = Parser(prog="python -m entmaxkv.eval.passkey",
+               description="Passkey retrieval accuracy over lengths and budgets.")
     add_passkey_args(p)
-    return run_passkey(p.parse_args(argv))
+    p.set_defaults(func=run_passkey)
+    return run(p, argv)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..model.data import load_split, test_windows
-from ..model.generate import DecodeSession
-from .common import (CERT_TOL, TWINS, Timer, add_common_args, certified_check, certified_line, device_info,
+from ..model.generate import DecodeSession, check_budget_flags
+from .common import (CERT_TOL, POS, TWINS, Timer, add_common_args, add_gaussian_args,
+                     check_common_args, certified_check, certified_line, device_info,
                      load_twins, model_info, png_path, rel_err, setup, stats_certified, stats_coverage,
                      twin_policies, write_json)
 
@@ -38,29 +39,43 @@ from .common import (CERT_TOL, TWINS, Timer, add_common_args, certified_check, c
 def add_perplexity_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p, out_default="results/perplexity.json")
     g = p.add_argument_group("perplexity")
-    g.add_argument("--lengths", type=int, nargs="+", default=[16384],
-                   help="context length at the end of each window (default 16384)")
-    g.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
-                   help="top-k token budgets (default 1024 2048 4096 8192)")
-    g.add_argument("--windows", type=int, default=4, help="test windows per length (default 4)")
-    g.add_argument("--tail", type=int, default=64, help="decoded (scored) tokens per window (default 64)")
-    g.add_argument("--q-max", type=float, default=0.995, help="Gaussian page-max quantile")
-    g.add_argument("--margin", type=float, default=0.0, help="Gaussian threshold margin")
-    g.add_argument("--certified-seed-budget", type=int, default=1024,
-                   help="budget of the TopK seed of the certified policy (default 1024)")
+    g.add_argument("--lengths", type=POS, nargs="+", default=[16384],
+                   help="context length at the end of each window, > --tail and >= --page-size (default 16384)")
+    g.add_argument("--budgets", type=POS, nargs="+", default=[1024, 2048, 4096, 8192],
+                   help="top-k token budgets, at least --page-size (default 1024 2048 4096 8192)")
+    g.add_argument("--windows", type=POS, default=4, help="test windows per length (default 4)")
+    g.add_argument("--tail", type=POS, default=64, help="decoded (scored) tokens per window (default 64)")
+    add_gaussian_args(g)
+    g.add_argument("--certified-seed-budget", type=POS, default=1024,
+                   help="budget of the TopK seed of the certified policy, at least --page-size (default 1024)")
+
+
+def check_perplexity_args(args, stream_len: Optional[int] = None) -> None:
+    """ValueError naming the flag, before any work (``stream_len``: the test
+    split's size, to check that the windows fit in it)."""
+    check_common_args(args)
+    check_budget_flags(args, {"--budgets": args.budgets, "--certified-seed-budget": [args.certified_seed_budget]})
+    for L in args.lengths:
+        if L <= args.tail:
+            raise ValueError(f"--tail: expected fewer tokens than each of --lengths ({L}), got {args.tail}")
+        if L < args.page_size:
+            raise ValueError(f"--lengths: expected at least --page-size ({args.page_size}) tokens, got {L}")
+        if stream_len is not None and args.windows * (L + 1) > stream_len:
+            raise ValueError(f"--windows: {args.windows} windows of {L + 1} tokens (--lengths {L}) do not fit "
+                             f"in the test split ({stream_len} bytes); expected at most {stream_len // (L + 1)}")
 
 
 @torch.no_grad()
 def run_perplexity(args: argparse.Namespace) -> int:
+    check_perplexity_args(args)
+    stream = load_split("test")
+    check_perplexity_args(args, len(stream))
     device = setup(args)
     clock = Timer()
     models = load_twins(args, device)
-    stream = load_split("test")
     rows, cert_checks = [], []
     bar = tqdm(total=len(args.lengths) * len(TWINS), desc="perplexity", file=sys.stderr)
     for L in args.lengths:
-        if args.tail >= L:
-            raise SystemExit(f"--tail {args.tail} must be shorter than the length {L}")
         win = torch.as_tensor(test_windows(stream, args.windows, L + 1, seed=args.seed + L), dtype=torch.long)
         n0 = L - args.tail
         targets = win[:, n0 + 1:L + 1]  # [W, tail]
@@ -164,9 +179,13 @@ def plot_perplexity(result: dict, path) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Held-out perplexity under full and sparse decoding.")
+    from ..cli import Parser, run
+
+    p = Parser(prog="python -m entmaxkv.eval.perplexity",
+               description="Held-out perplexity under full and sparse decoding.")
     add_perplexity_args(p)
-    return run_perplexity(p.parse_args(argv))
+    p.set_defaults(func=run_perplexity)
+    return run(p, argv)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,11 @@ from ..metrics import evaluate_selection
 from ..model.data import load_split
 from ..model.generate import DecodeSession
 from ..policies import Certified, Full, Gaussian, TopK
-from .common import (TWINS, Timer, add_common_args, device_info, load_twins, mean_std, model_info,
-                     png_path, setup, write_json)
+from .._checks import float_flag
+from ..model.data import passkey_min_length
+from .common import (POS, TWINS, Timer, add_common_args, add_gaussian_args, check_common_args,
+                     check_prompt_lengths, device_info,
+                     load_twins, mean_std, model_info, png_path, setup, write_json)
 from .passkey import build_prompts
 
 FIELDS = ("coverage", "delta", "rho", "R")
@@ -47,18 +50,25 @@ FIELDS = ("coverage", "delta", "rho", "R")
 def add_quality_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p, out_default="results/quality.json")
     g = p.add_argument_group("quality")
-    g.add_argument("--coverages", type=float, nargs="+", default=[0.1, 0.125, 0.25, 0.5],
-                   help="top-k coverages (default 0.1 0.125 0.25 0.5)")
-    g.add_argument("--synthetic-lengths", type=int, nargs="+", default=[16384, 32768],
+    g.add_argument("--coverages", type=float_flag(lo=0.0, hi=1.0, lo_open=True), nargs="+",
+                   default=[0.1, 0.125, 0.25, 0.5], help="top-k coverages in (0, 1] (default 0.1 0.125 0.25 0.5)")
+    g.add_argument("--synthetic-lengths", type=POS, nargs="+", default=[16384, 32768],
                    help="tokens of the synthetic caches (default 16384 32768)")
-    g.add_argument("--synthetic-batch", type=int, default=8, help="synthetic sequences per length")
-    g.add_argument("--capture-lengths", type=int, nargs="+", default=[4096, 8192],
-                   help="prompt lengths for captured activations (default 4096 8192)")
-    g.add_argument("--capture-seqs", type=int, default=4, help="prompts per capture length")
-    g.add_argument("--capture-steps", type=int, default=2, help="decode steps captured per prompt")
-    g.add_argument("--q-max", type=float, default=0.995, help="Gaussian page-max quantile")
-    g.add_argument("--margin", type=float, default=0.0, help="Gaussian threshold margin")
-    g.add_argument("--alpha", type=float, default=1.5, help="entmax alpha of the synthetic rows")
+    g.add_argument("--synthetic-batch", type=POS, default=8, help="synthetic sequences per length")
+    g.add_argument("--capture-lengths", type=POS, nargs="+", default=[4096, 8192],
+                   help=f"prompt lengths for captured activations, >= {passkey_min_length()} (default 4096 8192)")
+    g.add_argument("--capture-seqs", type=POS, default=4, help="prompts per capture length")
+    g.add_argument("--capture-steps", type=POS, default=2, help="decode steps captured per prompt")
+    add_gaussian_args(g)
+    g.add_argument("--alpha", type=float_flag(lo=1.0, lo_open=True), default=1.5,
+                   help="entmax alpha > 1 of the synthetic rows")
+
+
+def check_quality_args(args, stream_len: Optional[int] = None) -> None:
+    """ValueError naming the flag, before any work (``stream_len``: the test
+    split's size, to check the capture lengths against it)."""
+    check_common_args(args)
+    check_prompt_lengths("--capture-lengths", args.capture_lengths, stream_len)
 
 
 def policy_rows(kind: str, n: int, page: int, args):
@@ -101,6 +111,9 @@ def summarise(sink) -> List[dict]:
 
 @torch.no_grad()
 def run_quality(args: argparse.Namespace) -> int:
+    check_quality_args(args)
+    stream = load_split("test")
+    check_quality_args(args, len(stream))
     device = setup(args)
     clock = Timer()
     models = load_twins(args, device)
@@ -130,7 +143,6 @@ def run_quality(args: argparse.Namespace) -> int:
         del cache
 
     # Activations captured from the twins while decoding passkey prompts.
-    stream = load_split("test")
     bar = tqdm(total=len(args.capture_lengths) * len(TWINS), desc="quality captured", file=sys.stderr)
     for L in args.capture_lengths:
         rng = np.random.default_rng([args.seed, 7, L])
@@ -224,9 +236,12 @@ def plot_quality(result: dict, path) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Approximation quality of sparse decoding.")
+    from ..cli import Parser, run
+
+    p = Parser(prog="python -m entmaxkv.eval.quality", description="Approximation quality of sparse decoding.")
     add_quality_args(p)
-    return run_quality(p.parse_args(argv))
+    p.set_defaults(func=run_quality)
+    return run(p, argv)
 
 
 if __name__ == "__main__":

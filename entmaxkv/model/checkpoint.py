@@ -13,7 +13,7 @@ from .lm import ModelConfig, TransformerLM
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _model_dir(path, name: str = "path") -> Path:
+def check_model_dir(path, name: str = "path") -> Path:
     """The folder ``path`` when it holds a saved model, else ValueError."""
     if not isinstance(path, (str, Path)):
         raise ValueError(f"{name}: expected a folder path (str or Path), got {describe(path)}")
@@ -62,7 +62,7 @@ def save_model(
 
 def load_config(path: Union[str, Path]) -> ModelConfig:
     """The ModelConfig saved in the folder ``path``."""
-    return ModelConfig.from_dict(json.loads((_model_dir(path) / CONFIG).read_text())["config"])
+    return ModelConfig.from_dict(json.loads((check_model_dir(path) / CONFIG).read_text())["config"])
 
 
 def load_model(

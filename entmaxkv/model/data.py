@@ -142,6 +142,13 @@ PK_QUESTION = "\nWhat is the pass key? The pass key is "
 PK_DIGITS = 5
 
 
+def passkey_min_length() -> int:
+    """Tokens of a passkey prompt with an empty haystack: the shortest
+    ``length`` that ``passkey_prompt`` accepts (every key has PK_DIGITS digits)."""
+    needle = PK_NEEDLE.format(key="0" * PK_DIGITS)
+    return len(encode(PK_INTRO)) + len(encode(needle)) + len(encode(PK_QUESTION))
+
+
 def is_test_key(key: int) -> bool:
     """Evaluation keys are multiples of 7; training keys never are."""
     return key % 7 == 0
@@ -166,9 +173,9 @@ def passkey_prompt(haystack: np.ndarray, key: int, depth: float, length: int) ->
     intro, needle, question = (encode(s) for s in (PK_INTRO, PK_NEEDLE.format(key=key), PK_QUESTION))
     n_hay = length - len(intro) - len(needle) - len(question)
     if n_hay < 0:
-        raise ValueError(f"length {length} is too short for a passkey prompt")
+        raise ValueError(f"length: expected at least {passkey_min_length()} tokens for a passkey prompt, got {length}")
     if len(haystack) < n_hay:
-        raise ValueError(f"haystack of {len(haystack)} bytes is shorter than {n_hay}")
+        raise ValueError(f"haystack: expected at least {n_hay} bytes, got {len(haystack)}")
     hay = haystack[:n_hay]
     cut = int(round(min(max(depth, 0.0), 1.0) * n_hay))
     nl = np.flatnonzero(hay[max(0, cut - 200):cut] == ord("\n"))
@@ -246,7 +253,7 @@ def test_windows(stream: np.ndarray, n: int, length: int, seed: int) -> np.ndarr
     disjoint as long as n * length <= len(stream).
     """
     if n * length > len(stream):
-        raise ValueError(f"test split ({len(stream)} bytes) too short for {n} x {length}")
+        raise ValueError(f"n: expected n * length <= {len(stream)} (the test split's bytes), got {n} x {length}")
     rng = np.random.default_rng(seed)
     stride = len(stream) // n
     out = np.empty((n, length), dtype=np.uint8)

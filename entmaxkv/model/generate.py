@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from .._checks import as_bool, as_choice, as_dtype, as_float, as_int, describe, is_int
+from .._checks import (as_bool, as_choice, as_dtype, as_float, as_int, describe, device_flag, float_flag,
+                       int_flag)
 from ..backend import BACKENDS
 from ..cache import PagedKVCache
 from ..policies import Certified, Full, Gaussian, TopK, check_policy
@@ -307,13 +309,21 @@ def default_device(name: Optional[str]) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+POS = int_flag(lo=1)
+NONNEG = int_flag(lo=0)
+Q_MAX = float_flag(lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+NONNEG_FLOAT = float_flag(lo=0.0)
+
+
 def add_policy_args(p: argparse.ArgumentParser, *, multi: bool = False) -> None:
     g = p.add_argument_group("selection policy")
-    g.add_argument("--policy", choices=["full", "topk", "gaussian", "certified"], default="full",
+    g.add_argument("--policy", choices=list(POLICY_NAMES), default="full",
                    help="page selection policy (default full)")
-    g.add_argument("--budget", type=int, default=1024, help="top-k / certified seed token budget (default 1024)")
-    g.add_argument("--q-max", type=float, default=0.995, help="Gaussian page-max quantile (default 0.995)")
-    g.add_argument("--margin", type=float, default=0.0, help="Gaussian threshold margin, tau units (default 0)")
+    g.add_argument("--budget", type=POS, default=1024,
+                   help="top-k / certified seed token budget, at least --page-size (default 1024)")
+    g.add_argument("--q-max", type=Q_MAX, default=0.995, help="Gaussian page-max quantile in (0, 1) (default 0.995)")
+    g.add_argument("--margin", type=NONNEG_FLOAT, default=0.0,
+                   help="Gaussian threshold margin >= 0, tau units (default 0)")
     g.add_argument("--pooled", action="store_true", help="pooled Gaussian tau estimate")
 
 
@@ -323,39 +333,71 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (default: a short code prompt)")
     src.add_argument("--prompt-file", default=None, help="read the prompt from this file")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
+    p.add_argument("--max-new-tokens", type=POS, default=200, help="tokens to generate, >= 1 (default 200)")
+    p.add_argument("--temperature", type=NONNEG_FLOAT, default=0.0,
+                   help="sampling temperature >= 0; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=NONNEG, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float_flag(lo=0.0, hi=1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling mass in (0, 1] (default 1.0)")
+    p.add_argument("--seed", type=int_flag(lo=0, hi=SEED_MAX), default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", type=device_flag, default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--page-size", type=POS, default=16, help="tokens per cache page (default 16)")
     p.add_argument("--cache-dtype", choices=sorted(DTYPES), default="float32",
                    help="cache storage dtype (default float32)")
-    p.add_argument("--backend", choices=["auto", "reference", "triton"], default="auto",
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="decode backend (default auto)")
     p.add_argument("--stats", action="store_true", help="print mean coverage and certified fraction")
     add_policy_args(p)
 
 
+def check_budget_flags(args, flags) -> None:
+    """ValueError naming the flag when a token budget is below --page-size.
+    ``flags``: {flag: list of budgets}."""
+    for flag, values in flags.items():
+        for b in values:
+            if b < args.page_size:
+                raise ValueError(f"{flag}: expected at least --page-size ({args.page_size}) tokens, got {b}")
+
+
+def check_generate_args(args) -> bytes:
+    """Check the flags that argparse cannot (paths, combinations); return the
+    prompt's bytes. ValueError naming the flag, before any model is loaded."""
+    from .checkpoint import check_model_dir
+
+    check_model_dir(args.checkpoint, "--checkpoint")
+    if args.policy in ("topk", "certified"):
+        check_budget_flags(args, {"--budget": [args.budget]})
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise ValueError(f"--prompt-file: expected a readable file, got {args.prompt_file!r}")
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"--prompt-file: cannot read {args.prompt_file!r} ({exc.strerror})") from None
+        if not text:
+            raise ValueError(f"--prompt-file: expected at least one byte of prompt, {args.prompt_file!r} is empty")
+        return text
+    if args.prompt is None:
+        return "def fibonacci(n):\n    \"\"\"".encode()
+    if not args.prompt:
+        raise ValueError("--prompt: expected at least one character of prompt text, got ''")
+    return args.prompt.encode("utf-8")
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from .checkpoint import load_model
+    from .checkpoint import load_config, load_model
     from .data import decode as detok, encode
 
+    text = check_generate_args(args)
+    alpha = load_config(args.checkpoint).attn_alpha
+    if alpha == 1.0 and args.policy in ("gaussian", "certified"):
+        raise ValueError(f"--policy: {args.policy} needs an entmax model, {args.checkpoint!r} is softmax")
     device = default_device(args.device)
     model = load_model(args.checkpoint, device=device)
-    if args.prompt_file:
-        with open(args.prompt_file, "rb") as f:
-            text = f.read()
-    else:
-        text = args.prompt if args.prompt is not None else "def fibonacci(n):\n    \"\"\""
     prompt = torch.as_tensor(encode(text), dtype=torch.long)[None]
-    alpha = model.cfg.attn_alpha
     policy = make_policy(args.policy, budget=args.budget, q_max=args.q_max, margin=args.margin,
                          pooled=args.pooled)
-    if alpha == 1.0 and args.policy in ("gaussian", "certified"):
-        print(f"error: --policy {args.policy} needs an entmax model", file=sys.stderr)
-        return 2
     g = generate(model, prompt, args.max_new_tokens, policy=policy, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, page_size=args.page_size,
                  cache_dtype=DTYPES[args.cache_dtype], backend=args.backend, return_stats=args.stats)

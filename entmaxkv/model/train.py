@@ -30,7 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import load_model, save_model
+from .._checks import device_flag, float_flag, int_flag
+from .checkpoint import check_model_dir, load_model, save_model
 from .data import (BatchRecipe, PK_DIGITS, draw_key, encode, load_split, passkey_prompt,
                    sample_batch, test_windows)
 from .lm import ModelConfig, TransformerLM
@@ -38,40 +39,74 @@ from .lm import ModelConfig, TransformerLM
 TWINS = ("entmax", "softmax")
 
 
+POS = int_flag(lo=1)
+NONNEG = int_flag(lo=0)
+UNIT = float_flag(lo=0.0, hi=1.0)
+POS_FLOAT = float_flag(lo=0.0, lo_open=True)
+NONNEG_FLOAT = float_flag(lo=0.0)
+# Calibration times the steps after the third (the first ones pay for warm-up).
+CALIB_FIRST = 3
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="checkpoints", help="output folder (one subfolder per twin)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=4000, help="maximum optimiser steps (default 4000)")
-    p.add_argument("--time-budget", type=float, default=None,
+    p.add_argument("--device", type=device_flag, default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--seed", type=NONNEG, default=0)
+    p.add_argument("--steps", type=POS, default=4000, help="maximum optimiser steps (default 4000)")
+    p.add_argument("--time-budget", type=POS_FLOAT, default=None,
                    help="seconds of training for both twins together; fixes the step count "
                         "after --calib-steps steps (default: run --steps)")
-    p.add_argument("--calib-steps", type=int, default=12)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--p-passkey", type=float, default=0.3)
-    p.add_argument("--answer-weight", type=float, default=5.0)
-    p.add_argument("--p-copy", type=float, default=0.0,
-                   help="fraction of rows holding a random digit string twice (induction practice)")
+    p.add_argument("--calib-steps", type=int_flag(lo=CALIB_FIRST + 1), default=12,
+                   help=f"steps before the step count is fixed (> {CALIB_FIRST}; default 12)")
+    p.add_argument("--batch", type=POS, default=16)
+    p.add_argument("--seq-len", type=POS, default=2048,
+                   help="tokens per row; at least the shortest passkey example when --p-passkey > 0")
+    p.add_argument("--lr", type=POS_FLOAT, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=UNIT, default=0.1)
+    p.add_argument("--warmup", type=NONNEG, default=100)
+    p.add_argument("--weight-decay", type=NONNEG_FLOAT, default=0.1)
+    p.add_argument("--grad-clip", type=POS_FLOAT, default=1.0)
+    p.add_argument("--p-passkey", type=UNIT, default=0.3)
+    p.add_argument("--answer-weight", type=NONNEG_FLOAT, default=5.0)
+    p.add_argument("--p-copy", type=UNIT, default=0.0,
+                   help="fraction of rows holding a random digit string twice (induction practice); "
+                        "--p-passkey + --p-copy <= 1")
     p.add_argument("--init-from", default=None,
                    help="continue from the twins in this folder (a second training stage)")
-    p.add_argument("--chunk", type=int, default=512, help="query block of the entmax attention")
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--chunk", type=POS, default=512, help="query block of the entmax attention")
+    p.add_argument("--log-every", type=POS, default=25)
     # model shape
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=6)
-    p.add_argument("--n-heads", type=int, default=8)
-    p.add_argument("--n-kv-heads", type=int, default=4)
-    p.add_argument("--d-ff", type=int, default=704)
+    p.add_argument("--d-model", type=POS, default=256)
+    p.add_argument("--n-layers", type=POS, default=6)
+    p.add_argument("--n-heads", type=POS, default=8, help="query heads, dividing --d-model")
+    p.add_argument("--n-kv-heads", type=POS, default=4, help="KV heads, dividing --n-heads")
+    p.add_argument("--d-ff", type=POS, default=704)
     p.add_argument("--positions", default="nape", choices=["nape", "rope", "alibi", "nope"])
-    p.add_argument("--alpha", type=float, default=1.5)
-    p.add_argument("--val-windows", type=int, default=16, help="held-out windows for the final loss")
+    p.add_argument("--alpha", type=float_flag(lo=1.0, lo_open=True), default=1.5)
+    p.add_argument("--val-windows", type=POS, default=16, help="held-out windows for the final loss")
     p.add_argument("--no-amp", action="store_true", help="train in float32 (default bf16 autocast on CUDA)")
+
+
+def check_train_args(args) -> None:
+    """ValueError naming the flag for settings that do not fit together,
+    before any data or model is loaded."""
+    if args.p_passkey + args.p_copy > 1.0:
+        raise ValueError(f"--p-copy: expected --p-passkey + --p-copy <= 1, got {args.p_passkey} + {args.p_copy}")
+    shortest = BatchRecipe().min_passkey_len
+    if (args.p_passkey > 0 or args.p_copy > 0) and args.seq_len < shortest:
+        raise ValueError(f"--seq-len: expected at least {shortest} tokens when --p-passkey or --p-copy > 0 "
+                         f"(the shortest passkey example), got {args.seq_len}")
+    if args.d_model % args.n_heads:
+        raise ValueError(f"--n-heads: expected a divisor of --d-model ({args.d_model}), got {args.n_heads}")
+    if args.n_heads % args.n_kv_heads:
+        raise ValueError(f"--n-kv-heads: expected a divisor of --n-heads ({args.n_heads}), got {args.n_kv_heads}")
+    if args.positions == "rope" and (args.d_model // args.n_heads) % 2:
+        raise ValueError("--positions: rope needs an even head dim (--d-model / --n-heads)")
+    if args.init_from:
+        for name in TWINS:
+            check_model_dir(Path(args.init_from) / name, "--init-from")
+    if Path(args.out).is_file():
+        raise ValueError(f"--out: expected a folder, {args.out!r} is a file")
 
 
 def lr_at(step: int, total: int, args) -> float:
@@ -130,6 +165,7 @@ def passkey_probe(model: TransformerLM, stream: np.ndarray, device, amp: bool, c
 
 
 def train(args) -> dict:
+    check_train_args(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     amp = device.type == "cuda" and not args.no_amp
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -190,14 +226,14 @@ def train(args) -> dict:
             opt.step()
             losses[name] = loss
         step += 1
-        if step == 3:
+        if step == CALIB_FIRST:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t_calib = time.time()
         if args.time_budget is not None and step == args.calib_steps:
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            per_step = (time.time() - t_calib) / (step - 3)
+            per_step = (time.time() - t_calib) / (step - CALIB_FIRST)
             left = args.time_budget - (time.time() - t_start)
             total = min(args.steps, step + max(0, int(left / per_step)))
             print(f"calibration: {per_step * 1000:.0f} ms per twin pair step -> {total} steps", flush=True)
@@ -245,9 +281,16 @@ def train(args) -> dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="Train the entmax / softmax twin models in lockstep.")
+    from ..cli import Parser, run
+
+    p = Parser(prog="python -m entmaxkv.model.train", description="Train the entmax / softmax twin models in lockstep.")
     add_train_args(p)
-    train(p.parse_args(argv))
+    p.set_defaults(func=_run_train)
+    return run(p, argv)
+
+
+def _run_train(args) -> int:
+    train(args)
     return 0
 
 
