@@ -58,13 +58,17 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
+def _fmt(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _range_text(lo, hi, lo_open: bool, hi_open: bool) -> str:
     if lo is not None and hi is not None:
-        return f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f" in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}{')' if hi_open else ']'}"
     if lo is not None:
-        return f" {'>' if lo_open else '>='} {lo:g}"
+        return f" {'>' if lo_open else '>='} {_fmt(lo)}"
     if hi is not None:
-        return f" {'<' if hi_open else '<='} {hi:g}"
+        return f" {'<' if hi_open else '<='} {_fmt(hi)}"
     return ""
 
 
