@@ -4,7 +4,9 @@ Used by the test suite and by the GPU checks; nothing in the library imports it.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Set
+import contextlib
+import copy
+from typing import Any, Dict, Iterator, List, Sequence, Set
 
 import torch
 
@@ -79,3 +81,105 @@ def alibi(q_heads: int, nape: bool = True) -> torch.Tensor:
     if nape:
         s[q_heads // 2:] = 0.0
     return s
+
+
+# ------------------------------------------------------------ cache state
+# Every tensor that holds cache state (k_min/k_max/k_mean/k_std are views
+# into k_bounds/k_moments; _mean32/_m2 are the float32 Welford state) and
+# every host mirror.
+_STATE_TENSORS = ("k_pages", "v_pages", "k_bounds", "k_moments", "_mean32", "_m2",
+                  "block_table", "seq_lens")
+_STATE_HOST = ("_free", "_free_slots", "_active", "_lens", "_pages")
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def cache_state(cache: PagedKVCache) -> Dict[str, Any]:
+    """A snapshot of every piece of state of ``cache``, for ``assert_same_state``.
+
+    Holds clones of the device tensors (pages, statistics, Welford state,
+    block table, lengths), whether each requires grad or is an inference
+    tensor, and deep copies of the host mirrors (free list, free slots,
+    active flags, lengths, page lists).
+    """
+    state: Dict[str, Any] = {}
+    for name in _STATE_TENSORS:
+        t = getattr(cache, name)
+        state[name] = t.detach().clone()
+        state[name + ".flags"] = (t.requires_grad, t.grad_fn is not None, t.is_inference())
+    for name in _STATE_HOST:
+        state[name] = copy.deepcopy(getattr(cache, name))
+    return state
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (so NaN payloads and -0.0 compare exactly)."""
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.is_floating_point() else t
+
+
+def assert_same_state(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+    """Assert two ``cache_state`` snapshots are bit-identical.
+
+    Raises AssertionError naming the first piece of state that differs (and,
+    for a tensor, how many of its elements do).
+    """
+    assert a.keys() == b.keys(), f"different state keys: {sorted(a.keys() ^ b.keys())}"
+    for name, x in a.items():
+        y = b[name]
+        if isinstance(x, torch.Tensor):
+            assert x.shape == y.shape and x.dtype == y.dtype and x.device == y.device, (
+                f"{name}: {x.dtype} {tuple(x.shape)} on {x.device} vs "
+                f"{y.dtype} {tuple(y.shape)} on {y.device}"
+            )
+            if not torch.equal(_bits(x), _bits(y)):
+                diff = int((_bits(x) != _bits(y)).sum())
+                raise AssertionError(f"{name}: {diff} of {x.numel()} elements differ")
+        else:
+            assert x == y, f"{name}: {x!r} != {y!r}"
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a function wrapped by ``inject_failure``."""
+
+
+class _CallCounter:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fired = False
+
+
+@contextlib.contextmanager
+def inject_failure(owner: Any, name: str, *, on_call: int, after: bool = False) -> Iterator[_CallCounter]:
+    """Make ``owner.name`` raise ``InjectedFailure`` on its ``on_call``-th call (1-based).
+
+    ``owner`` is a module or a class, e.g. ``(torch, "where")`` or
+    ``(torch.Tensor, "__setitem__")``. With ``after`` the failing call runs
+    first and then raises (a failure after its effect). The original is put
+    back when the block exits. Yields a counter: ``calls`` made so far and
+    ``fired`` (whether the failure was raised), so a caller can sweep
+    ``on_call = 1, 2, ...`` until a call completes without ``fired``.
+    """
+    if on_call < 1:
+        raise ValueError(f"on_call must be >= 1, got {on_call}")
+    original = getattr(owner, name)
+    had_own = name in vars(owner)
+    own = vars(owner).get(name)
+    counter = _CallCounter()
+
+    def wrapper(*args, **kwargs):
+        counter.calls += 1
+        if counter.calls != on_call:
+            return original(*args, **kwargs)
+        counter.fired = True
+        if after:
+            original(*args, **kwargs)
+        raise InjectedFailure(f"injected failure in call {on_call} of {name}")
+
+    # A staticmethod found on a class must stay one, or it would be bound.
+    setattr(owner, name, staticmethod(wrapper) if isinstance(own, staticmethod) else wrapper)
+    try:
+        yield counter
+    finally:
+        if had_own:
+            setattr(owner, name, own)
+        else:
+            delattr(owner, name)
