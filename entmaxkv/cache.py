@@ -16,14 +16,20 @@ Token j of the sequence in slot s lives at
 
 Every allocation decision (which page, which slot, is the pool full?) is made
 from host-side mirrors, so appending and decoding never read a GPU value on
-the host.
+the host (beyond the optional finiteness check of the written keys/values).
+
+Writes are atomic: every method validates its arguments and computes
+everything it will store before it touches the cache, then commits with a
+rollback, so a call that raises (bad input, a full pool, non-finite data, a
+failure inside torch) leaves the cache exactly as it was.
 """
 from __future__ import annotations
 
 import heapq
 import operator
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 __all__ = ["PagedKVCache", "CacheFullError", "STORAGE_DTYPES", "MAX_PAGE_SIZE"]
@@ -58,8 +64,49 @@ def _positive_int(value, name: str, *, upper: Optional[int] = None) -> int:
     return value
 
 
+def _non_negative_int(value, name: str) -> int:
+    """Return ``value`` as an int >= 0 (numpy integers accepted), or raise ValueError."""
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be a non-negative int, got {type(value).__name__} {value!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value}")
+    return value
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _resolve_device(device) -> torch.device:
+    """``device`` as a torch.device that this build and machine can allocate on.
+
+    Raises ValueError naming ``device`` (instead of the AssertionError or
+    RuntimeError torch raises at the first allocation) for names torch does
+    not parse and for devices that are not available, e.g. "cuda" on a
+    CPU-only build or an out-of-range CUDA index.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ValueError(f"device must be a torch device or its name, got {device!r}: {err}") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={str(dev)!r}, but CUDA is not available (no GPU, or a CPU-only torch)")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={str(dev)!r}, but only {count} CUDA device(s) exist")
+    try:
+        # Resolves "cuda" to "cuda:0" and catches every other unavailable
+        # backend (torch raises AssertionError, NotImplementedError, ...).
+        return torch.empty(0, device=dev).device
+    except Exception as err:  # noqa: BLE001 - re-raised as the documented ValueError
+        raise ValueError(f"device={str(dev)!r} is not available: {err}") from None
 
 
 class PagedKVCache:
@@ -97,7 +144,19 @@ class PagedKVCache:
     Appending a token (``append``) costs O(H * D) whatever the sequence
     length: one scatter into the page and an incremental update of that
     page's statistics. Lengths, page lists and the free list are mirrored on
-    the host, so no method of the decode loop synchronises with the device.
+    the host, so no method of the decode loop synchronises with the device,
+    except the finiteness check of ``prefill`` / ``append`` (one host
+    synchronisation; skipped while a CUDA graph is being captured and with
+    ``check_finite=False``).
+
+    Every write is atomic: on any exception (bad input, CacheFullError,
+    non-finite data, a failure inside torch) the slots, free list, block
+    table, lengths (host and device), pages and statistics are exactly what
+    they were before the call. Written keys and values are detached (a model
+    run without ``torch.no_grad()`` may write, and the cache never requires
+    grad), and the tensors are ordinary ones even when the cache is built
+    under ``torch.inference_mode()``, so it can be written inside and outside
+    inference mode alike.
 
     Args:
         num_pages: physical pages in the pool.
@@ -106,9 +165,13 @@ class PagedKVCache:
         head_dim: size of one key/value vector.
         max_seqs: sequence slots (rows of ``block_table``).
         max_pages_per_seq: columns of ``block_table``; defaults to
-            ``num_pages``.
+            ``num_pages`` (a full sequence's length must fit in int32, so
+            pass it when ``num_pages * page_size`` exceeds 2**31 - 1).
         dtype: storage dtype, one of float32, float16, bfloat16.
-        device: where every tensor lives.
+        device: where every tensor lives; must be available (ValueError
+            otherwise, e.g. "cuda" on a CPU-only build).
+
+    Integer arguments accept Python and numpy integers (not floats or bools).
     """
 
     def __init__(
@@ -128,41 +191,47 @@ class PagedKVCache:
         kv_heads = _positive_int(kv_heads, "kv_heads")
         head_dim = _positive_int(head_dim, "head_dim")
         max_seqs = _positive_int(max_seqs, "max_seqs")
-        if max_pages_per_seq is None:
-            max_pages_per_seq = num_pages
         # Lengths are stored as int32, so a full sequence must fit in one.
-        max_pages_per_seq = _positive_int(
-            max_pages_per_seq, "max_pages_per_seq", upper=_INT32_MAX // page_size
-        )
+        longest = _INT32_MAX // page_size
+        if max_pages_per_seq is None:
+            if num_pages > longest:
+                raise ValueError(
+                    f"num_pages * page_size = {num_pages} * {page_size} exceeds the int32 "
+                    f"length limit {_INT32_MAX}, so max_pages_per_seq cannot default to "
+                    f"num_pages; pass max_pages_per_seq=... (at most {longest})"
+                )
+            max_pages_per_seq = num_pages
+        max_pages_per_seq = _positive_int(max_pages_per_seq, "max_pages_per_seq", upper=longest)
         if dtype not in STORAGE_DTYPES:
             raise ValueError(
                 f"dtype must be one of torch.float32, torch.float16, "
                 f"torch.bfloat16, got {dtype!r}"
             )
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"device is not a valid torch device: {device!r}") from err
+        device = _resolve_device(device)
 
         P, H, D = page_size, kv_heads, head_dim
-        self.k_pages = torch.zeros(num_pages, H, P, D, dtype=dtype, device=device)
-        self.v_pages = torch.zeros_like(self.k_pages)
-        # Pairs read together by one policy share a tensor (see the docstring);
-        # every write below goes through the views (index_put_ on a view
-        # writes its base).
-        self.k_bounds = torch.zeros(num_pages, H, 2, D, dtype=dtype, device=device)
-        self.k_moments = torch.zeros_like(self.k_bounds)
-        self.k_min, self.k_max = self.k_bounds[:, :, 0], self.k_bounds[:, :, 1]
-        self.k_mean, self.k_std = self.k_moments[:, :, 0], self.k_moments[:, :, 1]
-        # float32 Welford state behind k_mean / k_std.
-        self._mean32 = torch.zeros(num_pages, H, D, dtype=torch.float32, device=device)
-        self._m2 = torch.zeros_like(self._mean32)
-        self.block_table = torch.zeros(
-            max_seqs, max_pages_per_seq, dtype=torch.int32, device=device
-        )
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        # Ordinary tensors even under torch.inference_mode(): an in-place
+        # write to an inference tensor fails outside inference mode, so a
+        # cache built inside it could otherwise never be written outside.
+        with torch.inference_mode(False):
+            self.k_pages = torch.zeros(num_pages, H, P, D, dtype=dtype, device=device)
+            self.v_pages = torch.zeros_like(self.k_pages)
+            # Pairs read together by one policy share a tensor (see the
+            # docstring). Writes go to the bases, one index_put_ per pair.
+            self.k_bounds = torch.zeros(num_pages, H, 2, D, dtype=dtype, device=device)
+            self.k_moments = torch.zeros_like(self.k_bounds)
+            self.k_min, self.k_max = self.k_bounds[:, :, 0], self.k_bounds[:, :, 1]
+            self.k_mean, self.k_std = self.k_moments[:, :, 0], self.k_moments[:, :, 1]
+            # float32 Welford state (mean, M2) behind k_mean / k_std, paired
+            # the same way so that one write updates both.
+            self._welford = torch.zeros(num_pages, H, 2, D, dtype=torch.float32, device=device)
+            self._mean32, self._m2 = self._welford[:, :, 0], self._welford[:, :, 1]
+            self.block_table = torch.zeros(
+                max_seqs, max_pages_per_seq, dtype=torch.int32, device=device
+            )
+            self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
 
-        self._device = self.k_pages.device  # resolved, e.g. "cuda" -> "cuda:0"
+        self._device = device  # resolved, e.g. "cuda" -> "cuda:0"
         self._max_pages_per_seq = max_pages_per_seq
         # Host mirrors. The free list is a stack: pop() hands out pages
         # 0, 1, 2, ... on a fresh cache.
@@ -220,32 +289,69 @@ class PagedKVCache:
         )
 
     # ---------------------------------------------------------------- slots
-    def allocate(self) -> int:
+    def allocate(
+        self,
+        k: Optional[torch.Tensor] = None,
+        v: Optional[torch.Tensor] = None,
+        *,
+        check_finite: Optional[bool] = None,
+    ) -> int:
         """Claim an empty sequence slot and return its id (the lowest free one).
 
+        With ``k`` and ``v`` the new slot is also prefilled with them, in one
+        atomic step: if the prefill fails (CacheFullError, bad or non-finite
+        input, any other error) no slot is claimed and the cache is
+        unchanged. ``allocate()`` followed by ``prefill`` would leave an
+        empty slot allocated after a failed prefill.
+
+        Args:
+            k, v: optional [n, kv_heads, head_dim] tensors, both or neither;
+                as for ``prefill``.
+            check_finite: as for ``prefill`` (only used with ``k`` and ``v``).
+
         Raises:
-            CacheFullError: every slot is in use.
+            CacheFullError: every slot is in use, or (with ``k`` and ``v``)
+                not enough free pages; nothing is modified.
+            ValueError: bad ``k``, ``v`` or ``check_finite``, or non-finite
+                ``k`` / ``v``; nothing is modified.
         """
+        check = self._wants_finite_check(check_finite)
+        if (k is None) != (v is None):
+            missing, given = ("v", "k") if v is None else ("k", "v")
+            raise ValueError(
+                f"{missing} must be given together with {given} (pass both to prefill "
+                f"the new slot, or neither), got {missing}=None"
+            )
+        if k is not None:
+            self._check_kv(k, v, None)
         if not self._free_slots:
             raise CacheFullError(
                 f"no free sequence slot: all max_seqs={self.max_seqs} are in use"
             )
-        seq = heapq.heappop(self._free_slots)
-        self._active[seq] = True
+        seq = self._free_slots[0]  # the heap's minimum, claimed only on success
+        if k is None:
+            self._claim(seq)
+        else:
+            self._write_tokens(seq, k, v, check, claim=True)
         return seq
 
     def free(self, seq: int) -> None:
-        """Release slot ``seq`` and return its pages to the free list."""
+        """Release slot ``seq`` and return its pages to the free list (atomic)."""
         seq = self._check_seq(seq, "seq")
         pages = self._pages[seq]
+        idx = self._index_tensor([seq], torch.int64)  # [1]
+        zero_row = torch.zeros(1, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
+        zero_len = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._commit([
+            (self.block_table, (idx,), zero_row, None),
+            (self.seq_lens, (idx,), zero_len, None),
+        ])
         # Pushed in reverse so the next pops hand them out in their old order.
         self._free.extend(reversed(pages))
         self._pages[seq] = []
         self._lens[seq] = 0
         self._active[seq] = False
         heapq.heappush(self._free_slots, seq)
-        self.block_table[seq].zero_()
-        self.seq_lens[seq].fill_(0)
 
     def length(self, seq: int) -> int:
         """Number of tokens held by sequence ``seq`` (host mirror, no sync)."""
@@ -262,71 +368,46 @@ class PagedKVCache:
 
     # --------------------------------------------------------------- writes
     def prefill(
-        self, seq: int, k: torch.Tensor, v: torch.Tensor, *, check_finite: bool = True
+        self,
+        seq: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        check_finite: Optional[bool] = None,
     ) -> None:
         """Append ``n`` tokens to sequence ``seq`` in one vectorised write.
 
         The sequence may already hold tokens (its last page partially filled),
         so this is also ``extend``. The statistics of every touched page are
-        recomputed from the stored (rounded) keys.
+        recomputed from the stored (rounded) keys. Atomic: on any exception
+        the cache is unchanged.
 
-        Temporary memory: a few float32 copies of the touched pages (the
-        statistics are reduced in float32); split very long prompts.
+        Temporary memory: two storage-dtype and a few float32 copies of the
+        touched pages (the statistics are reduced in float32); split very
+        long prompts.
 
         Args:
             seq: an allocated slot id.
             k, v: [n, kv_heads, head_dim], any floating dtype (cast to the
-                storage dtype), on the cache device. ``n`` may be 0.
-            check_finite: reject NaN/inf in ``k`` or ``v`` (costs one host
-                synchronisation; pass False to skip it).
+                storage dtype), on the cache device; detached before they are
+                stored. ``n`` may be 0.
+            check_finite: reject NaN/inf in ``k`` or ``v`` *after* the cast
+                to the storage dtype (so a finite value that overflows it is
+                rejected too) with a ValueError naming the argument, the
+                sequence and the token. Costs one host synchronisation.
+                None (default): check unless a CUDA graph is being captured
+                on the current stream; True: always; False: never (non-finite
+                values are stored, and so are the statistics they give).
 
         Raises:
-            ValueError: bad ``seq``, ``k`` or ``v``.
+            ValueError: bad ``seq``, ``k``, ``v`` or ``check_finite``, or
+                non-finite ``k`` / ``v``; nothing is modified.
             CacheFullError: not enough free pages, or the sequence would
                 exceed ``max_pages_per_seq``; nothing is modified.
         """
         seq = self._check_seq(seq, "seq")
-        n = self._check_kv(k, v, None)
-        if check_finite and n > 0:
-            finite = torch.isfinite(k).all() & torch.isfinite(v).all()
-            if not bool(finite):  # one host sync, outside the decode loop
-                raise ValueError("k and v must be finite (found NaN or inf)")
-        if n == 0:
-            return
-
-        P = self.page_size
-        old_len = self._lens[seq]
-        new_len = old_len + n
-        have = len(self._pages[seq])
-        total = _ceil_div(new_len, P)
-        self._reserve(total - have, total, f"prefill of {n} tokens into seq {seq}")
-
-        # Host bookkeeping: take the new pages from the free list.
-        new_pages = [self._free.pop() for _ in range(total - have)]
-        self._pages[seq].extend(new_pages)
-        self._lens[seq] = new_len
-        first = old_len // P  # first touched logical page
-        touched = self._pages[seq][first:total]  # physical ids, host list
-        touched_d = self._index_tensor(touched, torch.int64)  # [T]
-
-        # Block table and length on the device.
-        if new_pages:
-            self.block_table[seq, have:total] = self._index_tensor(new_pages, torch.int32)
-        self.seq_lens[seq].fill_(new_len)  # a kernel; item assignment would sync
-
-        # Scatter tokens: token old_len + t goes to page (old_len + t) // P,
-        # row (old_len + t) % P.
-        pos = torch.arange(old_len, new_len, device=self.device)  # [n]
-        phys = touched_d[pos // P - first]  # [n]
-        row = pos % P  # [n]
-        self.k_pages[phys, :, row] = k.to(self.dtype)  # [n, H, D]
-        self.v_pages[phys, :, row] = v.to(self.dtype)
-
-        # Statistics of the touched pages, from the stored keys. Only the last
-        # touched page can be partially filled.
-        T = len(touched)
-        valid = [P] * (T - 1) + [new_len - (total - 1) * P]
-        self._recompute_stats(touched_d, self._index_tensor(valid, torch.int64))
+        check = self._wants_finite_check(check_finite)
+        self._write_tokens(seq, k, v, check, claim=False)
 
     extend = prefill
 
@@ -335,6 +416,8 @@ class PagedKVCache:
         seqs: Union[Sequence[int], torch.Tensor],
         k: torch.Tensor,
         v: torch.Tensor,
+        *,
+        check_finite: Optional[bool] = None,
     ) -> None:
         """Append one token to each sequence in ``seqs`` (a decode step).
 
@@ -343,67 +426,121 @@ class PagedKVCache:
         elementwise min/max and a Welford step of the float32 mean / M2, then
         ``k_mean``, ``k_std`` refreshed for those pages only. A sequence whose
         last page is full gets a new page from the free list (decided on the
-        host). No host synchronisation.
+        host). Atomic: on any exception the cache is unchanged.
+
+        A page whose running float32 state is not finite after the step (a
+        non-finite key stored with ``check_finite=False``, or an overflow of
+        the state) gets its mean / M2, and so ``k_mean`` / ``k_std``,
+        recomputed from its rows instead (min/max are exact anyway), so its
+        statistics always equal a from-scratch recompute. With the check on,
+        that is decided in the check's host synchronisation and costs nothing
+        otherwise; without it the recompute (one read of each touched page)
+        runs on the device every step and is selected with ``torch.where``,
+        so there is still no synchronisation.
 
         Args:
             seqs: distinct allocated slot ids, a list of ints or an integer
                 tensor on the CPU (a device tensor would force a sync).
             k, v: [len(seqs), kv_heads, head_dim], any floating dtype, on the
-                cache device. NaN/inf are not checked here.
+                cache device; detached before they are stored.
+            check_finite: as for ``prefill``: reject NaN/inf after the cast
+                to the storage dtype (one host synchronisation). None
+                (default) checks unless a CUDA graph is being captured;
+                pass False in a decode loop that must not synchronise.
 
         Raises:
-            ValueError: bad or duplicate ``seqs``, bad ``k`` or ``v``.
+            ValueError: bad or duplicate ``seqs``, bad ``k``, ``v`` or
+                ``check_finite``, or non-finite ``k`` / ``v``; nothing is
+                modified.
             CacheFullError: the batch needs more new pages than are free, or a
                 sequence would exceed ``max_pages_per_seq``; nothing is
                 modified.
         """
         ids = self._check_seq_list(seqs)
         self._check_kv(k, v, len(ids))
+        check = self._wants_finite_check(check_finite)
         if not ids:
             return
 
         P = self.page_size
-        need = sum(1 for s in ids if self._lens[s] % P == 0)
-        longest = max(self._lens[s] // P + 1 for s in ids)
+        lens = [self._lens[s] for s in ids]
+        need = sum(1 for n in lens if n % P == 0)
+        longest = max(n // P + 1 for n in lens)
         self._reserve(need, longest, f"append to {len(ids)} sequence(s)")
+        kc, vc = self._stored(k), self._stored(v)  # [B, H, D], the stored (rounded) values
 
-        # Host side: where each token goes, one (slot, physical page, row in
-        # the page, logical page, new length) per sequence.
+        # Host plan, nothing modified yet: one (slot, physical page, row in the
+        # page, logical page; physical page, new length, old length, old
+        # block-table entry) per sequence, the last four for int32 values.
+        # New pages come off the top of the free-list stack in the order
+        # pop() would hand them out.
+        top = len(self._free)
         where = []
-        for s in ids:
-            length = self._lens[s]
+        for s, length in zip(ids, lens):
             lpage, row = divmod(length, P)
             if row == 0:
-                self._pages[s].append(self._free.pop())
-            self._lens[s] = length + 1
-            where.append((s, self._pages[s][lpage], row, lpage, length + 1))
-        columns = list(zip(*where))  # 5 tuples of B ints
-        slot, phys, row, lpage, new_len = self._index_tensor(columns, torch.int64).unbind(0)
-
-        # Rewriting an existing block-table entry with its own value is
-        # harmless and avoids a data-dependent mask.
-        self.block_table[slot, lpage] = phys.to(torch.int32)
-        self.seq_lens[slot] = new_len.to(torch.int32)
-
-        kc = k.to(self.dtype)  # [B, H, D], the stored (rounded) keys
-        self.k_pages[phys, :, row] = kc
-        self.v_pages[phys, :, row] = v.to(self.dtype)
+                top -= 1
+                page, entry = self._free[top], 0  # unused entries are 0
+            else:
+                page = entry = self._pages[s][lpage]
+            where.append((s, page, row, lpage, page, length + 1, length, entry))
+        columns = self._index_tensor(list(zip(*where)), torch.int64)  # [8, B]
+        slot, phys, row, lpage = columns[:4].unbind(0)
+        phys32, new_len, old_len, old_entry = columns[4:].to(torch.int32).unbind(0)
 
         # Incremental statistics. The first token of a page resets them.
         first = (row == 0)[:, None, None]  # [B, 1, 1]
         count = (row + 1).to(torch.float32)[:, None, None]  # tokens in page after append
-        self.k_min[phys] = torch.where(first, kc, torch.minimum(self.k_min[phys], kc))
-        self.k_max[phys] = torch.where(first, kc, torch.maximum(self.k_max[phys], kc))
+        old_bounds = self.k_bounds[phys]  # [B, H, 2, D], a copy
+        kmin = torch.where(first, kc, torch.minimum(old_bounds[:, :, 0], kc))
+        kmax = torch.where(first, kc, torch.maximum(old_bounds[:, :, 1], kc))
+        old_welford = self._welford[phys]  # [B, H, 2, D] float32, a copy
         x = kc.to(torch.float32)
-        mean = torch.where(first, 0.0, self._mean32[phys])
-        m2 = torch.where(first, 0.0, self._m2[phys])
+        mean = torch.where(first, 0.0, old_welford[:, :, 0])
+        m2 = torch.where(first, 0.0, old_welford[:, :, 1])
         delta = x - mean
         mean = mean + delta / count
         m2 = m2 + delta * (x - mean)
-        self._mean32[phys] = mean
-        self._m2[phys] = m2
-        self.k_mean[phys] = mean.to(self.dtype)
-        self.k_std[phys] = torch.sqrt(m2.clamp_min(0.0) / count).to(self.dtype)
+        bounds = torch.stack((kmin, kmax), dim=2)
+        welford = torch.stack((mean, m2), dim=2)
+        if check:
+            # Any non-finite key makes its coordinate's M2 NaN, so a finite
+            # state also means that no page needs the recompute below.
+            finite = self._check_rows(
+                kc, vc, lambda i: f"sequence {ids[i]}, token {lens[i]}", extra=welford
+            )
+        else:
+            finite = False  # unknown without a sync: decided on the device
+        if not finite:
+            # The running state of a page that is not finite is replaced by
+            # the state recomputed from its rows (the new one included).
+            # min/max need no recompute: the running ones are exact.
+            poisoned = ~torch.isfinite(welford).flatten(1).all(dim=1)  # [B]
+            keys = self.k_pages[phys]  # [B, H, P, D], a copy
+            keys[torch.arange(len(ids), device=self.device), :, row] = kc
+            recomputed = torch.stack(self._page_welford(keys, row + 1), dim=2)
+            welford = torch.where(poisoned[:, None, None, None], recomputed, welford)
+        moments = self._moments(welford, count)
+
+        # Rewriting an existing block-table entry with its own value is
+        # harmless and avoids a data-dependent mask.
+        self._commit([
+            (self.k_bounds, (phys,), bounds, old_bounds),
+            (self._welford, (phys,), welford, old_welford),
+            (self.k_moments, (phys,), moments, None),
+            (self.block_table, (slot, lpage), phys32, old_entry),
+            (self.seq_lens, (slot,), new_len, old_len),
+            (self.k_pages, (phys, slice(None), row), kc, None),
+            (self.v_pages, (phys, slice(None), row), vc, None),
+        ])
+        # Host mirrors, after every device write succeeded.
+        fresh = self._free[top:][::-1]
+        del self._free[top:]
+        fresh_iter = iter(fresh)
+        for s, length in zip(ids, lens):
+            if length % P == 0:
+                self._pages[s].append(next(fresh_iter))
+            self._lens[s] = length + 1
 
     # ---------------------------------------------------------------- reads
     def gather(self, seq: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -447,7 +584,8 @@ class PagedKVCache:
         to scattered physical pages, as in a long-running server.
 
         Args:
-            k, v: [batch, n_max, kv_heads, head_dim].
+            k, v: [batch, n_max, kv_heads, head_dim], floating (checked for
+                NaN/inf after the cast, as by ``prefill``).
             lens: ``batch`` ints in 0..n_max.
             page_size: tokens per page.
             dtype: storage dtype; defaults to ``k.dtype``.
@@ -456,34 +594,56 @@ class PagedKVCache:
             generator: CPU ``torch.Generator`` for the shuffle.
             device: defaults to ``k.device``.
             max_seqs: slots; defaults to ``batch`` (more leave free slots).
-            max_pages_per_seq: defaults to the total number of pages.
+            max_pages_per_seq: defaults to the total number of pages; must
+                hold the longest sequence.
 
         Returns:
             (cache, slots) with ``slots[b]`` the slot id of sequence ``b``.
         """
-        if not isinstance(k, torch.Tensor) or k.dim() != 4:
-            raise ValueError(
-                f"k must be a 4-d tensor [batch, n_max, kv_heads, head_dim], got "
-                f"{tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__}"
-            )
-        if not isinstance(v, torch.Tensor) or v.shape != k.shape:
-            raise ValueError(
-                f"v must have the shape of k {tuple(k.shape)}, got "
-                f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
-            )
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must be a 4-d floating tensor [batch, n_max, kv_heads, head_dim], "
+                    f"got {got}"
+                )
+        if v.shape != k.shape:
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
         batch, n_max = k.shape[0], k.shape[1]
-        lens = list(lens)
+        try:
+            lens = list(lens)
+        except TypeError:
+            raise ValueError(f"lens must be a sequence of {batch} ints, got {type(lens).__name__}") from None
         if len(lens) != batch:
             raise ValueError(f"lens must have {batch} entries (one per row of k), got {len(lens)}")
         for b, n in enumerate(lens):
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= n_max:
-                raise ValueError(f"lens[{b}] must be an int in 0..{n_max}, got {n!r}")
+            n = _non_negative_int(n, f"lens[{b}]")
+            if n > n_max:
+                raise ValueError(f"lens[{b}] must be an int in 0..{n_max}, got {n}")
+            lens[b] = n
         page_size = _positive_int(page_size, "page_size", upper=MAX_PAGE_SIZE)
-        if isinstance(spare_pages, bool) or not isinstance(spare_pages, int) or spare_pages < 0:
-            raise ValueError(f"spare_pages must be a non-negative int, got {spare_pages!r}")
-
+        spare_pages = _non_negative_int(spare_pages, "spare_pages")
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise ValueError(f"shuffle must be a bool, got {type(shuffle).__name__} {shuffle!r}")
+        if generator is not None and (
+            not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+        ):
+            raise ValueError(f"generator must be None or a CPU torch.Generator, got {generator!r}")
         if max_seqs is not None and _positive_int(max_seqs, "max_seqs") < batch:
             raise ValueError(f"max_seqs must be at least batch={batch}, got {max_seqs}")
+        longest = max((_ceil_div(n, page_size) for n in lens), default=0)
+        if max_pages_per_seq is not None and _positive_int(
+            max_pages_per_seq, "max_pages_per_seq"
+        ) < longest:
+            raise ValueError(
+                f"max_pages_per_seq must hold the longest sequence ({max(lens)} tokens: "
+                f"{longest} pages of {page_size}), got {max_pages_per_seq}"
+            )
+        if dtype is None and k.dtype not in STORAGE_DTYPES:
+            raise ValueError(
+                f"k has dtype {k.dtype}, which is not a storage dtype, and dtype was not "
+                f"given; pass dtype= one of torch.float32, torch.float16, torch.bfloat16"
+            )
         needed = sum(_ceil_div(n, page_size) for n in lens)
         cache = cls(
             max(needed + spare_pages, 1),
@@ -498,11 +658,10 @@ class PagedKVCache:
         if shuffle:
             order = torch.randperm(cache.num_pages, generator=generator)
             cache._free = order.tolist()
-        slots = []
-        for b, n in enumerate(lens):
-            s = cache.allocate()
-            cache.prefill(s, k[b, :n].to(cache.device), v[b, :n].to(cache.device))
-            slots.append(s)
+        slots = [
+            cache.allocate(k[b, :n].to(cache.device), v[b, :n].to(cache.device))
+            for b, n in enumerate(lens)
+        ]
         return cache, slots
 
     # ------------------------------------------------------------ internals
@@ -526,26 +685,199 @@ class PagedKVCache:
                 f"free; nothing was written"
             )
 
-    def _recompute_stats(self, pages: torch.Tensor, valid: torch.Tensor) -> None:
-        """Recompute every statistic of ``pages`` (int64 [T]) from stored keys.
+    def _claim(self, seq: int) -> None:
+        """Mark the lowest free slot, ``seq``, allocated (host only)."""
+        assert self._free_slots[0] == seq
+        heapq.heappop(self._free_slots)
+        self._active[seq] = True
 
-        ``valid`` (int64 [T]) is the number of valid rows of each page.
+    def _stored(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it will be stored: detached (so writes work under autograd
+        and never make the cache require grad), in the storage dtype."""
+        return t.detach().to(self.dtype)
+
+    def _wants_finite_check(self, check_finite) -> bool:
+        """Resolve a write's ``check_finite`` (None, True or False) to a bool."""
+        if check_finite is None:
+            # The check reads a device value on the host, which a CUDA graph
+            # capture forbids.
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            return not capturing
+        if isinstance(check_finite, (bool, np.bool_)):
+            return bool(check_finite)
+        raise ValueError(
+            f"check_finite must be None, True or False, got "
+            f"{type(check_finite).__name__} {check_finite!r}"
+        )
+
+    def _check_rows(
+        self,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        describe: Callable[[int], str],
+        extra: Optional[torch.Tensor] = None,
+    ) -> bool:
+        """Raise ValueError if a token of ``kc`` / ``vc`` ([n, H, D], already
+        in the storage dtype) is not finite; ``describe(i)`` says where token
+        ``i`` goes. Returns whether ``extra`` (any tensor, or None) is finite,
+        read in the same, single host synchronisation."""
+        flags = [torch.isfinite(kc).all(), torch.isfinite(vc).all()]
+        if extra is not None:
+            flags.append(torch.isfinite(extra).all())
+        flags = torch.stack(flags).tolist()  # the one host synchronisation
+        for name, t, ok in (("k", kc, flags[0]), ("v", vc, flags[1])):
+            if not ok:
+                i = int((~torch.isfinite(t).flatten(1).all(dim=1)).nonzero()[0, 0])
+                raise ValueError(
+                    f"{name}[{i}] ({describe(i)}) is not finite after the cast to the "
+                    f"storage dtype {self.dtype} (NaN or inf); nothing was written "
+                    f"(check_finite=False stores it anyway)"
+                )
+        return bool(flags[2]) if extra is not None else True
+
+    def _write_tokens(self, seq: int, k, v, check: bool, *, claim: bool) -> None:
+        """Append ``k``, ``v`` ([n, H, D]) to slot ``seq`` (prefill / extend).
+
+        With ``claim`` the slot is free (and empty) and is claimed once the
+        tokens are written. Everything is validated and computed first; the
+        cache changes only in ``_commit`` and the host updates after it.
         """
+        n = self._check_kv(k, v, None)
+        if n == 0:
+            if claim:
+                self._claim(seq)
+            return
         P = self.page_size
-        keys = self.k_pages[pages]  # [T, H, P, D] storage dtype
-        mask = (torch.arange(P, device=self.device) < valid[:, None])[:, None, :, None]
+        pages = self._pages[seq]
+        old_len = self._lens[seq]
+        new_len = old_len + n
+        have, total = len(pages), _ceil_div(new_len, P)
+        need = total - have
+        self._reserve(need, total, f"prefill of {n} tokens into seq {seq}")
+        kc, vc = self._stored(k), self._stored(v)  # [n, H, D]
+        if check:
+            self._check_rows(
+                kc, vc, lambda i: f"token {i} of the prefill, position {old_len + i} of sequence {seq}"
+            )
+
+        # Host plan: the pages the free-list stack hands out next, in pop()
+        # order, and the touched pages (the old last one, if partially
+        # filled, and the new ones). Only the last can be partially filled.
+        fresh = self._free[len(self._free) - need:][::-1]
+        first = old_len // P  # first touched logical page
+        touched = (pages + fresh)[first:]  # physical ids
+        T = len(touched)
+        valid = [P] * (T - 1) + [new_len - (total - 1) * P]
+        meta = self._index_tensor(touched + valid + fresh + [seq, new_len], torch.int64)
+        touched_d, valid_d = meta[:T], meta[T:2 * T]
+        fresh_d, seq_d, len_d = meta[2 * T:2 * T + need], meta[-2:-1], meta[-1:]
+
+        # The touched pages as they will be: token old_len + t goes to page
+        # (old_len + t) // P, row (old_len + t) % P.
+        pos = torch.arange(old_len, new_len, device=self.device)  # [n]
+        pidx, row = pos // P - first, pos % P
+        old_k = self.k_pages[touched_d]  # [T, H, P, D], copies
+        new_k = old_k.clone()
+        new_k[pidx, :, row] = kc
+        new_v = self.v_pages[touched_d]
+        new_v[pidx, :, row] = vc
+        kmin, kmax, mean, m2 = self._page_stats(new_k, valid_d)
+        welford = torch.stack((mean, m2), dim=2)
+        writes = [
+            (self.k_bounds, (touched_d,), torch.stack((kmin, kmax), dim=2), None),
+            (self._welford, (touched_d,), welford, None),
+            (self.k_moments, (touched_d,),
+             self._moments(welford, valid_d.to(torch.float32)[:, None, None]), None),
+            (self.seq_lens, (seq_d,), len_d.to(torch.int32), None),
+            (self.k_pages, (touched_d,), new_k, old_k),
+            (self.v_pages, (touched_d,), new_v, None),
+        ]
+        if need:
+            cols = torch.arange(have, total, device=self.device)
+            writes.append((self.block_table, (seq_d, cols), fresh_d.to(torch.int32), None))
+        self._commit(writes)
+        # Host mirrors, after every device write succeeded.
+        del self._free[len(self._free) - need:]
+        pages.extend(fresh)
+        self._lens[seq] = new_len
+        if claim:
+            self._claim(seq)
+
+    @staticmethod
+    def _commit(writes) -> None:
+        """Apply ``writes``, a list of (target, index, value, old), in order;
+        on any exception restore every target and re-raise.
+
+        ``target[index] = value`` with an index that holds a tensor (advanced
+        indexing), so ``target[index]`` is a copy; ``old`` is that copy taken
+        before the write, or None to take it here. Each old value is kept
+        before its write starts, so even a write that fails after changing
+        its target is undone.
+        """
+        done = []
+        try:
+            for target, index, value, old in writes:
+                done.append((target, index, target[index] if old is None else old))
+                target[index] = value
+        except BaseException:
+            for target, index, old in reversed(done):
+                target[index] = old
+            raise
+
+    def _page_stats(
+        self, keys: torch.Tensor, valid: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Statistics of pages from their rows, computed from scratch.
+
+        Args:
+            keys: [T, H, P, D] storage dtype, the pages' rows.
+            valid: int64 [T], the number of valid (leading) rows of each page.
+
+        Returns:
+            (k_min, k_max) [T, H, D] in the storage dtype and the float32
+            Welford state (mean, M2) [T, H, D].
+        """
+        mask = self._row_mask(valid)
         inf = float("inf")
-        self.k_min[pages] = torch.where(mask, keys, inf).amin(dim=2)  # [T, H, D]
-        self.k_max[pages] = torch.where(mask, keys, -inf).amax(dim=2)
+        kmin = torch.where(mask, keys, inf).amin(dim=2)  # [T, H, D]
+        kmax = torch.where(mask, keys, -inf).amax(dim=2)
+        mean, m2 = self._page_welford(keys, valid, mask)
+        return kmin, kmax, mean, m2
+
+    def _row_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """bool [T, 1, P, 1]: row r of page t is valid (r < valid[t])."""
+        P = self.page_size
+        return (torch.arange(P, device=self.device) < valid[:, None])[:, None, :, None]
+
+    def _page_welford(
+        self, keys: torch.Tensor, valid: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The float32 (mean, M2) [T, H, D] of pages ``keys`` [T, H, P, D] over
+        their first ``valid`` (int64 [T]) rows, computed from scratch."""
+        if mask is None:
+            mask = self._row_mask(valid)
         x = keys.to(torch.float32)
         count = valid.to(torch.float32)[:, None, None]  # [T, 1, 1]
         mean = torch.where(mask, x, 0.0).sum(dim=2) / count  # [T, H, D]
         dev = torch.where(mask, x - mean[:, :, None], 0.0)  # [T, H, P, D]
         m2 = (dev * dev).sum(dim=2)
-        self._mean32[pages] = mean
-        self._m2[pages] = m2
-        self.k_mean[pages] = mean.to(self.dtype)
-        self.k_std[pages] = torch.sqrt(m2 / count).to(self.dtype)
+        return mean, m2
+
+    def _recompute_stats(
+        self, pages: torch.Tensor, valid: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_page_stats`` of the stored rows of ``pages`` (int64 [T]); reads only.
+
+        ``valid`` (int64 [T]) is the number of valid rows of each page.
+        """
+        return self._page_stats(self.k_pages[pages], valid)
+
+    def _moments(self, welford: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """(k_mean, k_std) [.., H, 2, D] in the storage dtype from the float32
+        Welford state ``welford`` [.., H, 2, D] over ``count`` tokens."""
+        mean, m2 = welford[:, :, 0], welford[:, :, 1]
+        std = torch.sqrt(m2.clamp_min(0.0) / count)
+        return torch.stack((mean.to(self.dtype), std.to(self.dtype)), dim=2)
 
     def _check_seq(self, seq, name: str) -> int:
         if isinstance(seq, bool):

@@ -572,7 +572,7 @@ def test_cuda_matches_cpu_without_host_sync(dtype):
             kk_d, vv_d = kk.to(cache.device), vv.to(cache.device)
             torch.cuda.set_sync_debug_mode("error")  # any host sync raises
             try:
-                cache.append(torch.tensor(slots), kk_d, vv_d)
+                cache.append(torch.tensor(slots), kk_d, vv_d, check_finite=False)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     (cpu, slots), (gpu, _) = caches
@@ -594,11 +594,14 @@ def test_cuda_matches_cpu_without_host_sync(dtype):
     tol = ROUNDED_TOL[dtype]
     for name in ("k_mean", "k_std"):
         torch.testing.assert_close(getattr(gpu, name).cpu(), getattr(cpu, name), rtol=tol, atol=tol)
-    # The sync detector is live: the finite check of prefill does synchronise.
+    # The sync detector is live: the finite checks of prefill and append do
+    # synchronise (and fail before anything is written).
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError):
             gpu.prefill(slots[1], kk, vv)
+        with pytest.raises(RuntimeError):
+            gpu.append(slots[1:], kk[:1], vv[:1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for s in slots:
