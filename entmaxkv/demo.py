@@ -125,9 +125,7 @@ def build_cache(args, device) -> tuple:
     for _ in tqdm(range(B), desc="prefill", file=sys.stderr, leave=False):
         k = synthetic_keys(args, n, H, D, gen)
         v = torch.randn(n, H, D, generator=gen)
-        s = cache.allocate()
-        cache.prefill(s, k.to(device), v.to(device))
-        seqs.append(s)
+        seqs.append(cache.allocate(k.to(device), v.to(device)))  # atomic: no slot left on failure
     q = torch.randn(B, args.q_heads, D, generator=gen) * args.q_scale
     q = q.to(device=device, dtype=DTYPES[args.dtype])
     return cache, seqs, q

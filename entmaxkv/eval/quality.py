@@ -132,10 +132,8 @@ def run_quality(args: argparse.Namespace) -> int:
                              dtype=torch.float32, device=device)
         slots = []
         for _ in range(B):
-            s = cache.allocate()
-            cache.prefill(s, torch.randn(n, KV, D, generator=gen).to(device),
-                          torch.randn(n, KV, D, generator=gen).to(device))
-            slots.append(s)
+            slots.append(cache.allocate(torch.randn(n, KV, D, generator=gen).to(device),
+                                        torch.randn(n, KV, D, generator=gen).to(device)))
         q = torch.randn(B, HQ, D, generator=gen).to(device)
         for kind, alpha in (("softmax", 1.0), ("entmax", args.alpha)):
             evaluate_policies(q, cache, slots, kind=kind, alpha=alpha, scale=scale, slopes=None,

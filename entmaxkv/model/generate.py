@@ -143,10 +143,25 @@ class DecodeSession:
         else:
             T = tokens.shape[1]
             chunk = max(64, (1 << 28) // max(1, self.batch * self.model.cfg.n_heads * T))
-        logits = self.model.prefill(tokens.to(self.device), self.caches, self.slots[0], chunk=chunk,
-                                    copies=self.slots[1:])
+        empty = not any(self.lengths)
+        try:
+            logits = self.model.prefill(tokens.to(self.device), self.caches, self.slots[0], chunk=chunk,
+                                        copies=self.slots[1:])
+        except BaseException:
+            if empty:  # layers before the failing one were filled: empty them again
+                self._empty_slots()
+            raise
         self.lengths = [tokens.shape[1]] * len(self.slots)
         return logits
+
+    def _empty_slots(self) -> None:
+        """Empty every slot of every layer's cache; the slots stay allocated
+        (all of a cache's slots are, so allocate() hands back the one freed)."""
+        for cache in self.caches:
+            for slot in (s for group in self.slots for s in group):
+                if cache.length(slot):
+                    cache.free(slot)
+                    cache.allocate()
 
     def step(self, tokens: torch.Tensor, policy, *, return_stats: bool = False, layer_hook=None,
              copy: int = 0):

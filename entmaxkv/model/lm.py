@@ -352,7 +352,7 @@ class TransformerLM(nn.Module):
         stats = []
         for layer, (blk, cache) in enumerate(zip(self.blocks, caches)):
             q, k, v = blk.attn.project(blk.attn_norm(x), positions[:, None])  # [B, 1, *, D]
-            cache.append(list(slots), k[:, 0], v[:, 0])
+            cache.append(list(slots), k[:, 0], v[:, 0], check_finite=False)
             q = q[:, 0]  # [B, H, D]
             if layer_hook is not None:
                 layer_hook(layer, q, cache, seq_ids)
