@@ -255,8 +255,10 @@ def test_decode_session_failed_prefill_leaves_its_slots_empty():
     for cache in sess.caches:
         assert cache.active_seqs() == [0, 1, 2, 3] and cache.free_pages == cache.num_pages
         assert all(cache.length(s) == 0 for s in range(4)) and not cache.seq_lens.any()
-    with pytest.raises(CacheFullError):
-        sess.prefill(x)  # 13 tokens, longer than the session's 12
+    with pytest.raises(ValueError, match="max_len"):
+        sess.prefill(x)  # 13 tokens, longer than the session's 12: refused before any write
+    for cache in sess.caches:
+        assert cache.free_pages == cache.num_pages and not cache.seq_lens.any()
     # The session still works and matches a fresh one.
     fresh = DecodeSession(model, 2, 12, page_size=4, copies=2)
     assert torch.equal(sess.prefill(x[:, :8]), fresh.prefill(x[:, :8]))
