@@ -15,6 +15,7 @@ probabilities). Its function is ``from entmaxkv.entmax import entmax``, or
 would then give the function).
 """
 from .cache import CacheFullError, PagedKVCache
+from .csr import block_table_to_csr, csr_to_block_table, selection_to_csr
 from .decode import decode
 from .entmax import entmax as alpha_entmax
 from .entmax import entmax_threshold
@@ -35,8 +36,11 @@ __all__ = [
     "Selection",
     "TopK",
     "alpha_entmax",
+    "block_table_to_csr",
+    "csr_to_block_table",
     "decode",
     "dense_attention",
     "entmax_threshold",
     "evaluate_selection",
+    "selection_to_csr",
 ]

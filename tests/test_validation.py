@@ -177,6 +177,31 @@ def _cases():
         lambda s, m, bad: quality(p_full, o_full, bad, o_sp))
     add("quality", "out_sparse", [None, torch.ones(4, 7)], lambda s, m, bad: quality(p_full, o_full, kept, bad))
 
+    # --- CSR page tables
+    bt, sl, i32 = torch.zeros(2, 5, dtype=torch.int32), torch.full((2,), 7, dtype=torch.int32), torch.int32
+    ptr, idx, csel = torch.tensor([0, 2, 3], dtype=i32), torch.zeros(6, dtype=i32), Selection(
+        torch.zeros(2, 2, 3, dtype=i32), torch.ones(2, 2, dtype=i32))
+    bad_bt, bad_vec = [None, [[0]], bt.long(), bt[0]], [None, [7, 7], sl.long(), sl[:1], sl[None]]
+    add("block_table_to_csr", "block_table", bad_bt, lambda s, m, bad: entmaxkv.block_table_to_csr(bad, sl, 4))
+    add("block_table_to_csr", "seq_lens", bad_vec, lambda s, m, bad: entmaxkv.block_table_to_csr(bt, bad, 4))
+    add("block_table_to_csr", "page_size", BAD_INT + [0], lambda s, m, bad: entmaxkv.block_table_to_csr(bt, sl, bad))
+    add("block_table_to_csr", "capacity", optional(BAD_INT) + [-1],
+        lambda s, m, bad: entmaxkv.block_table_to_csr(bt, sl, 4, capacity=bad))
+    c2b = entmaxkv.csr_to_block_table
+    add("csr_to_block_table", "indptr", [None, ptr.long(), ptr[:0], ptr[None]], lambda s, m, bad: c2b(bad, idx, sl, 4, max_pages=5))
+    add("csr_to_block_table", "indices", [None, idx.long(), idx[None]], lambda s, m, bad: c2b(ptr, bad, sl, 4, max_pages=5))
+    add("csr_to_block_table", "last_page_len", bad_vec, lambda s, m, bad: c2b(ptr, idx, bad, 4, max_pages=5))
+    add("csr_to_block_table", "page_size", BAD_INT + [0], lambda s, m, bad: c2b(ptr, idx, sl, bad, max_pages=5))
+    add("csr_to_block_table", "max_pages", BAD_INT + [-1], lambda s, m, bad: c2b(ptr, idx, sl, 4, max_pages=bad))
+    s2c = entmaxkv.selection_to_csr
+    add("selection_to_csr", "sel", [None, (csel.pages, csel.counts), Selection(csel.pages[:1], csel.counts[:1]),
+                                    Selection(csel.pages, csel.counts.long())], lambda s, m, bad: s2c(bad, bt, sl, 4))
+    add("selection_to_csr", "block_table", bad_bt, lambda s, m, bad: s2c(csel, bad, sl, 4))
+    add("selection_to_csr", "seq_lens", bad_vec, lambda s, m, bad: s2c(csel, bt, bad, 4))
+    add("selection_to_csr", "page_size", BAD_INT + [0], lambda s, m, bad: s2c(csel, bt, sl, bad))
+    add("selection_to_csr", "capacity", optional(BAD_INT) + [-1], lambda s, m, bad: s2c(csel, bt, sl, 4, capacity=bad))
+    add("selection_to_csr", "return_logical", BAD_BOOL, lambda s, m, bad: s2c(csel, bt, sl, 4, return_logical=bad))
+
     # --- model entry points
     prompt = torch.tensor([[1, 2, 3]])
 
