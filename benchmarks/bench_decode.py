@@ -25,7 +25,7 @@ Usage (on the GPU machine, from the repository root):
     python -m benchmarks.bench_decode --configs paper_32k --methods full_softmax,sdpa
     python -m benchmarks.bench_decode --configs paper_128k --config pdl=False   # a launch-config variant
     python -m benchmarks.bench_decode --configs paper_1m --methods gaussian \
-        --set "attention.SPLIT_MIN_TOKENS={False: 512, True: 4096}"   # an A/B variant of a kernel knob
+        --config attention.split_min_tokens_many=4096   # an A/B variant of one stage's setting
 """
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ import torch
 from entmaxkv.entmax import entmax_from_tau, entmax_threshold
 from entmaxkv.types import Certified, Gaussian, TopK
 
-from .harness import build, capture, kernel_config, set_knobs, time_graph
+from .harness import build, capture, kernel_config, time_graph
 
-COPY_BW = 4.26e12  # bytes/s, device-to-device copy bandwidth of the H200 (anchors/)
+COPY_BW = 4.26e12  # bytes/s, device-to-device copy bandwidth measured on the H200
 
 CONFIGS = {
     # name: (batch, n, q_heads, kv_heads, head_dim, dtype, page)
@@ -207,13 +207,9 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="compare outputs with a float32 reference")
     ap.add_argument("--out", default=None, help="folder for bench_decode.json / .png")
     ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
-                    help="a KernelConfig field for every kernel call (A/B runs), e.g. pdl=False; "
-                         "recorded in the JSON")
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="override a module-level knob of entmaxkv.kernels.MODULE first (A/B runs), e.g. "
-                         "attention.PREFETCH_PAGES=False; recorded in the JSON")
+                    help="a KernelConfig field for every kernel call (A/B runs), e.g. pdl=False or "
+                         "attention.prefetch_pages=False; recorded in the JSON")
     args = ap.parse_args(argv)
-    set_knobs(args.set)
     kcfg = kernel_config(args.config)
 
     from entmaxkv import kernels as K
@@ -226,7 +222,7 @@ def main(argv=None):
         triton=__import__("triton").__version__, python=platform.python_version(),
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         command="python -m benchmarks.bench_decode " + " ".join(sys.argv[1:]),
-        knobs=args.set, config=args.config, copy_bandwidth_Bps=COPY_BW,
+        config=args.config, copy_bandwidth_Bps=COPY_BW,
         timing="CUDA-graph replay, CUDA events, L2 flushed before each timed replay, "
         f"at least {args.warmup} warm-ups and {args.warm_ms:g} ms of them, median of {args.reps}",
     )

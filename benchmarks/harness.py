@@ -3,14 +3,13 @@
 ``build`` makes a paged cache of standard-normal K/V with shuffled block
 tables (and contiguous copies for the dense baseline); ``capture`` puts one
 step in a CUDA graph; ``time_graph`` times replays with CUDA events (warm-up,
-L2 flushed before each timed replay, median). ``kernel_config`` and
-``set_knobs`` turn command-line options into launch choices.
+L2 flushed before each timed replay, median). ``kernel_config`` turns
+command-line options into a KernelConfig (the kernels' launch choices).
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import time
 
 import torch
@@ -18,14 +17,15 @@ import torch
 from entmaxkv.cache import PagedKVCache
 
 
-def kernel_config(items):
+def kernel_config(items, base=None):
     """A KernelConfig from "FIELD=VALUE" / "STAGE.FIELD=VALUE" options (VALUE a
-    Python literal), e.g. ``pdl=False``; None when there are none."""
+    Python literal), e.g. ``pdl=False`` or ``attention.finish=False``, applied
+    to ``base`` (None: the defaults); None when there are neither."""
     if not items:
-        return None
+        return base
     from entmaxkv.kernels.config import KernelConfig
 
-    cfg = KernelConfig()
+    cfg = KernelConfig() if base is None else base
     for item in items:
         target, _, text = item.partition("=")
         value = ast.literal_eval(text)
@@ -34,6 +34,7 @@ def kernel_config(items):
             if name not in {f.name for f in dataclasses.fields(cfg)}:
                 raise ValueError(f"--config: KernelConfig has no field {name!r}")
             cfg = dataclasses.replace(cfg, **{name: value})
+            print(f"# config {target} = {value!r}")
             continue
         sub = getattr(cfg, stage, None)
         if not dataclasses.is_dataclass(sub) or name not in {f.name for f in dataclasses.fields(sub)}:
@@ -41,30 +42,6 @@ def kernel_config(items):
         cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(sub, **{name: value})})
         print(f"# config {target} = {value!r}")
     return cfg
-
-
-def knob_value(module, name: str, text: str):
-    """The Python literal ``text`` as a value for the knob ``module.name``:
-    wrapped in tl.constexpr when the knob is one (a global read inside
-    kernels must stay constexpr)."""
-    import triton.language as tl
-
-    value = ast.literal_eval(text)
-    return tl.constexpr(value) if isinstance(getattr(module, name, None), tl.constexpr) else value
-
-
-def set_knobs(items):
-    """Apply "MODULE.NAME=VALUE" overrides to the module-level launch choices
-    of entmaxkv.kernels.MODULE that are not yet KernelConfig fields (VALUE a
-    Python literal), echoing each."""
-    for item in items:
-        target, value = item.split("=", 1)
-        mod, name = target.rsplit(".", 1)
-        module = importlib.import_module(f"entmaxkv.kernels.{mod}")
-        if not hasattr(module, name):
-            raise ValueError(f"--set: entmaxkv.kernels.{mod} has no knob {name}")
-        setattr(module, name, knob_value(module, name, value))
-        print(f"# {target} = {value}")
 
 
 def build(cfg, seed=0):
@@ -106,7 +83,7 @@ def time_graph(g, flush, warmup, reps, warm_ms=0.0):
     following at least ``warmup`` untimed replays and at least ``warm_ms`` of
     them: a GPU that has just been idle runs the first milliseconds slower
     (single-method runs read 5-7% slower than the same step timed after
-    other methods, results/experiments.log)."""
+    other methods, experiments/logs/experiments.log)."""
     t0 = time.perf_counter()
     i = 0
     while i < warmup or (time.perf_counter() - t0) * 1e3 < warm_ms:

@@ -3,7 +3,7 @@
 For each configuration and method of ``bench_decode.py`` it runs the step
 eagerly under ``torch.profiler`` and prints the mean device time of every
 kernel per step, next to the CUDA-graph replay time of the whole step. It is
-the tool behind the kernel choices recorded in docs/kernels.md.
+the tool behind the kernel choices recorded in docs/tuning.md.
 
 Usage (on the GPU machine, from the repository root):
 
@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .bench_decode import CONFIGS, METHODS, make_step
-from .harness import build, capture, set_knobs, time_graph
+from .harness import build, capture, kernel_config, time_graph
 
 
 def kernel_times(step, iters: int):
@@ -54,12 +54,12 @@ def main(argv=None):
     ap.add_argument("--configs", default="paper_128k")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="override a knob of entmaxkv.kernels.MODULE, e.g. topk.SELECT_WARPS=8")
+    ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
+                    help="a KernelConfig field for every kernel call, e.g. topk.select_warps=8")
     args = ap.parse_args(argv)
     from entmaxkv import kernels as K
 
-    set_knobs(args.set)
+    kcfg = kernel_config(args.config)
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     for cname in args.configs.split(","):
@@ -70,7 +70,7 @@ def main(argv=None):
         scale = 1.0 / math.sqrt(cfg[4])
         for meth in args.methods.split(","):
             try:
-                step = extra_step(K, meth, cache, ids, q, scale) or make_step(K, meth, cache, ids, q, k4, v4, scale)
+                step = extra_step(K, meth, cache, ids, q, scale) or make_step(K, meth, cache, ids, q, k4, v4, scale, kcfg)
                 g, _ = capture(step)
                 ms, _ = time_graph(g, flush, 5, 20)
                 kt = kernel_times(step, args.iters)

@@ -6,22 +6,23 @@ over every page in shuffled order, the path a selection takes; with
 too, N pages counted in a list as wide as the cache, as a Gaussian or
 certified selection keeps them) for
 (BLOCK_T, num_warps, num_stages) x split factor x tile Newton steps x
-bound-update mode (``--lb-modes``; other knobs with ``--set``) on the
+bound-update mode (``--lb-modes``; other settings with ``--config``) on the
 given configurations (one head per program: paper config; tl.dot path: GQA
-config) and prints a table; the chosen values are then written into
-``attention._plan`` by hand.
+config), each variant an ``AttentionConfig``, and prints a table; the chosen
+values then become the ``AttentionConfig`` defaults by hand.
 
     python -m benchmarks.tune --configs gqa_128k --alphas 1.0
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import torch
 
 from .bench_decode import CONFIGS
-from .harness import build, capture, set_knobs, time_graph
+from .harness import build, capture, kernel_config, time_graph
 
 VARIANTS = {  # (BLOCK_T, num_warps, num_stages) per code path
     "one_head": [(256, 4, 3), (256, 8, 3), (512, 4, 3), (512, 8, 3), (1024, 8, 2), (512, 8, 4)],
@@ -36,7 +37,7 @@ def main(argv=None):
     ap.add_argument("--factors", default="4,8")
     ap.add_argument("--newton", default="1")
     ap.add_argument("--lb-modes", default=None, metavar="M,M",
-                    help="attention.LB_MODE values (0, 1) to time on every path (entmax; default: the module's)")
+                    help="bound-update modes (0, 1) to time on every path (entmax; default: the config's lb_mode_*)")
     ap.add_argument("--sparse", action="store_true", help="time attend over a shuffled full page list")
     ap.add_argument("--pages", type=int, default=0,
                     help="with --sparse: keep only the first N pages of each shuffled list (a top-k-sized selection)")
@@ -47,15 +48,15 @@ def main(argv=None):
                     help="time attend over the pages the Gaussian policy keeps (alpha 1.5 selection)")
     ap.add_argument("--variants", default=None, metavar="BT,WARPS,STAGES;...",
                     help="(BLOCK_T, num_warps, num_stages) triples to time instead of the built-in list")
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="override a knob of entmaxkv.kernels.MODULE first, e.g. attention.PREFETCH_PAGES=False")
+    ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
+                    help="a KernelConfig field under every variant, e.g. attention.prefetch_pages=False")
     args = ap.parse_args(argv)
-    from entmaxkv.kernels import attention as A
-    set_knobs(args.set)
+    from entmaxkv import kernels as K
+    from entmaxkv.kernels import KernelConfig
     from entmaxkv.kernels.select import select_full
     from entmaxkv.types import Selection
 
-    defaults = (A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE)
+    base = kernel_config(args.config) or KernelConfig()
     lb_modes = [int(x) for x in args.lb_modes.split(",")] if args.lb_modes else [None]
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
@@ -69,7 +70,6 @@ def main(argv=None):
         sel = None
         if args.gaussian:
             from entmaxkv import Gaussian
-            from entmaxkv import kernels as K
             sel = K.select(Gaussian(), q, cache, ids, alpha=1.5, scale=1 / math.sqrt(D))
         elif args.sparse:
             full = select_full(q, cache, ids)
@@ -87,22 +87,25 @@ def main(argv=None):
             variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
         for alpha in alphas:
             for factor in (float(f) for f in args.factors.split(",")):
-                A.SPLIT_FACTOR = factor  # programs per SM (the tl.dot entmax pass: exactly, rounded down)
-                A.DOT_ENTMAX_PER_SM = factor
                 for newton, lb_mode in ((nw, lm) for nw in (int(x) for x in args.newton.split(","))
                                         for lm in lb_modes):
                     if alpha == 1.0 and (newton, lb_mode) != (int(args.newton.split(",")[0]), lb_modes[0]):
                         continue  # softmax has no lower bound
-                    A.TILE_NEWTON = newton
-                    A.LB_MODE = defaults[3] if lb_mode is None else dict.fromkeys(defaults[3], lb_mode)
                     for v in variants:
-                        A.TUNE.clear()
-                        A.TUNE[(ng, D, alpha == 1.0)] = v
+                        # programs per SM (the tl.dot entmax pass: exactly, rounded down)
+                        c = dataclasses.replace(base.attention, split_factor=factor, dot_entmax_per_sm=factor,
+                                                tile_newton=newton, tune=(((ng, D, alpha == 1.0), v),))
+                        if lb_mode is not None:
+                            c = dataclasses.replace(c, lb_mode_one_head=lb_mode, lb_mode_dot_folded=lb_mode,
+                                                    lb_mode_dot_rows=lb_mode)
+                        cfg_v = dataclasses.replace(base, attention=c)
                         try:
                             if sel is None:
-                                g, _ = capture(lambda: A.dense_attend(q, cache, ids, alpha=alpha, scale=1 / math.sqrt(D)))
+                                g, _ = capture(lambda: K.dense_attend(q, cache, ids, alpha=alpha, scale=1 / math.sqrt(D),
+                                                                      config=cfg_v))
                             else:
-                                g, _ = capture(lambda: A.attend(q, cache, ids, sel, alpha=alpha, scale=1 / math.sqrt(D)))
+                                g, _ = capture(lambda: K.attend(q, cache, ids, sel, alpha=alpha, scale=1 / math.sqrt(D),
+                                                                config=cfg_v))
                             ms, _ = time_graph(g, flush, 5, 15)
                             del g
                         except Exception as exc:  # noqa: BLE001
@@ -112,8 +115,6 @@ def main(argv=None):
                         print(f"{cname:11s} a{alpha} f{factor:g} nw{newton} lb{lb_mode} {v} {ms:.4f}", flush=True)
         del cache, ids, q, k4, v4
         torch.cuda.empty_cache()
-    A.TUNE.clear()
-    A.SPLIT_FACTOR, A.DOT_ENTMAX_PER_SM, A.TILE_NEWTON, A.LB_MODE = defaults
     print("\nbest per (config, alpha):")
     for cname in args.configs.split(","):
         for alpha in alphas:

@@ -4,19 +4,21 @@ For each configuration, times (CUDA graph, L2 flushed, median) a plain Triton
 read of the whole k_min/k_max table (the achievable read bandwidth of the
 metadata, no block table) and then the whole top-k selection with each
 ``keys_plan`` override (BLOCK_M, KCH, HG, WARPS), next to the
-default plan. Prints one line per variant: selection ms, and the keys pass
-alone in ms and TB/s. With ``--knobs`` it times the selection over the
-product of values of ``topk`` module settings instead (e.g. the chunk size
-and the warps of the lb and merge kernels). The chosen values go into
-``topk.py`` by hand.
+default plan (each a ``TopKConfig.keys_tune``). Prints one line per
+variant: selection ms, and the keys pass alone in ms and TB/s. With
+``--fields`` it times the selection over the product of values of
+``TopKConfig`` fields instead (e.g. the chunk size and the warps of the lb
+and merge kernels). The chosen values become the ``TopKConfig`` defaults by
+hand.
 
     python -m benchmarks.tune_keys --configs paper_128k,paper_b1_2m
     python -m benchmarks.tune_keys --configs paper_b1_2m \
-        --knobs "SELECT_CH=4096,8192;LB_WARPS=1,4"
+        --fields "select_ch=4096,8192;lb_warps=1,4"
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 
@@ -25,6 +27,8 @@ import triton
 import triton.language as tl
 
 from .bench_decode import CONFIGS
+from entmaxkv.kernels import KernelConfig, TopKConfig
+
 from .harness import build, capture, time_graph
 
 
@@ -66,14 +70,14 @@ def main(argv=None):
     ap.add_argument("--configs", default="paper_128k,paper_b1_2m")
     ap.add_argument("--variants", default=None, metavar="BM,KCH,HG,WARPS;...")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--knobs", default=None, metavar="NAME=V1,V2;...",
-                    help="time select_topk over the product of these topk module settings")
+    ap.add_argument("--fields", default=None, metavar="NAME=V1,V2;...",
+                    help="time select_topk over the product of these TopKConfig field values")
     args = ap.parse_args(argv)
     from entmaxkv.kernels import topk as T
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    if args.knobs:
-        return sweep_knobs(T, args, flush)
+    if args.fields:
+        return sweep_fields(T, args, flush)
     variants = parse_variants(args.variants) if args.variants else grid()
     for cname in args.configs.split(","):
         cache, ids, q, scale = setup(cname)
@@ -88,18 +92,15 @@ def main(argv=None):
             print(f"{cname:12s} read   block {block} x {steps}: {ms * 1e3:7.1f} us "
                   f"{nbytes / ms / 1e9:5.2f} TB/s ({nbytes / 2**20:.0f} MiB)", flush=True)
         for v in [None] + variants:
-            T.KEYS_TUNE.clear()
-            if v is not None:
-                T.KEYS_TUNE.update(v)
+            c = TopKConfig(keys_tune=() if v is None else tuple(v.items()))
             name = "default" if v is None else ",".join(f"{k}={int(x)}" for k, x in v.items())
             try:
-                ms = time_select(T, q, cache, ids, scale, flush, args.reps)
-                keys_ms, kp = time_keys(T, q, cache, ids, scale, flush, args.reps)
+                ms = time_select(T, q, cache, ids, scale, flush, args.reps, c)
+                keys_ms, kp = time_keys(T, q, cache, ids, scale, flush, args.reps, c)
                 print(f"{cname:12s} {name:55s} select {ms * 1e3:7.1f} us  keys {keys_ms * 1e3:7.1f} us "
                       f"{nbytes / keys_ms / 1e9:5.2f} TB/s  plan {kp}", flush=True)
             except Exception as exc:  # noqa: BLE001
                 print(cname, name, "ERROR", str(exc)[:300], flush=True)
-        T.KEYS_TUNE.clear()
         torch.cuda.empty_cache()
 
 
@@ -110,36 +111,35 @@ def setup(cname):
     return cache, ids, q, 1 / math.sqrt(q.shape[-1])
 
 
-def time_select(T, q, cache, ids, scale, flush, reps):
-    """Median ms of the whole top-k selection (budget 1024), captured in a graph."""
-    g, _ = capture(lambda: T.select_topk(q, cache, ids, budget=1024, scale=scale))
+def time_select(T, q, cache, ids, scale, flush, reps, c):
+    """Median ms of the whole top-k selection (budget 1024, TopKConfig ``c``), captured in a graph."""
+    cfg = KernelConfig(topk=c)
+    g, _ = capture(lambda: T.select_topk(q, cache, ids, budget=1024, scale=scale, config=cfg))
     ms, _ = time_graph(g, flush, 5, reps)
     del g
     return ms
 
 
-def sweep_knobs(T, args, flush):
-    """Selection time for every combination of the --knobs settings."""
+def sweep_fields(T, args, flush):
+    """Selection time for every combination of the --fields values."""
     names, values = [], []
-    for item in args.knobs.split(";"):
+    for item in args.fields.split(";"):
         name, vals = item.split("=")
+        if name not in {f.name for f in dataclasses.fields(TopKConfig)}:
+            raise ValueError(f"--fields: TopKConfig has no field {name!r}")
         names.append(name)
         values.append([int(v) for v in vals.split(",")])
-    defaults = {name: getattr(T, name) for name in names}
     for cname in args.configs.split(","):
         cache, ids, q, scale = setup(cname)
         for combo in itertools.product(*values):
-            for name, v in zip(names, combo):
-                setattr(T, name, v)
+            c = TopKConfig(**dict(zip(names, combo)))
             label = ",".join(f"{k}={v}" for k, v in zip(names, combo))
-            ms = time_select(T, q, cache, ids, scale, flush, args.reps)
+            ms = time_select(T, q, cache, ids, scale, flush, args.reps, c)
             print(f"{cname:12s} {label:55s} select {ms * 1e3:7.1f} us", flush=True)
         torch.cuda.empty_cache()
-    for name, v in defaults.items():
-        setattr(T, name, v)
 
 
-def time_keys(T, q, cache, ids, scale, flush, reps):
+def time_keys(T, q, cache, ids, scale, flush, reps, c):
     """(median ms, plan) of _keys_kernel alone, launched as select_topk launches it."""
     from entmaxkv.kernels._common import as_slopes, num_sms
 
@@ -147,7 +147,7 @@ def time_keys(T, q, cache, ids, scale, flush, reps):
     H, P = cache.kv_heads, cache.page_size
     M = cache.block_table.shape[1]
     k_pages, W = T.topk_width(M, P, 1024, 0, 0)
-    cfg = T.topk_plan(M, W, 1, D, q.dtype, cache.dtype, B * H, num_sms(q.device), cap=T.SELECT_CH)
+    cfg = T.topk_plan(c, M, W, 1, D, q.dtype, cache.dtype, B * H, num_sms(q.device), cap=c.select_ch)
     MK = cfg["NCH"] * cfg["CH"]
     keys = torch.empty(B * H * MK, dtype=torch.int32, device=q.device)
     sl = as_slopes(None, HQ, q.device)
@@ -155,7 +155,7 @@ def time_keys(T, q, cache, ids, scale, flush, reps):
     plan = {}
 
     def launch():
-        plan.update(T.launch_keys(q, sl, ids32, cache, keys, None, MK, scale, 0, 0, k_pages, has_alibi=False))
+        plan.update(T.launch_keys(q, sl, ids32, cache, keys, None, MK, scale, 0, 0, k_pages, has_alibi=False, c=c))
 
     g, _ = capture(launch)
     ms, _ = time_graph(g, flush, 5, reps)

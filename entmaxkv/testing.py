@@ -183,3 +183,27 @@ def inject_failure(owner: Any, name: str, *, on_call: int, after: bool = False) 
             setattr(owner, name, own)
         else:
             delattr(owner, name)
+
+
+def tau_hat_oracle(q, cache, seq_ids, *, scale: float, slopes=None, alpha: float, pooled: bool = False):
+    """The Gaussian policy's tau_hat from float64 page statistics (the
+    reference solve, run to convergence): float64 ``[batch, q_heads]``, what
+    the kernels' float32 statistics and float64 iterate are checked against."""
+    from .gaussian import pooled_moments, solve_tau_hat
+    from .scoring import gaussian_stats
+
+    sl = None if slopes is None else slopes.double()
+    mu, sg, n = gaussian_stats(q.double(), cache, seq_ids, scale=scale, slopes=sl)
+    w = n[:, None, :].expand_as(mu)
+    if pooled:
+        a, b, c = pooled_moments(mu, sg, w)
+        return solve_tau_hat(a[..., None], b[..., None], c[..., None], alpha, iters=120)
+    return solve_tau_hat(mu, sg, w, alpha, iters=120)
+
+
+def gpu_quick() -> bool:
+    """Whether the GPU tests (tests/gpu) run their short sweeps: the
+    environment variable ENTMAXKV_GPU_QUICK set to anything but "" or "0"."""
+    import os
+
+    return os.environ.get("ENTMAXKV_GPU_QUICK", "0") not in ("", "0")

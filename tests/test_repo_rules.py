@@ -2,6 +2,8 @@
 
 - No history in the package: no file under entmaxkv/ names a session, a
   date or a commit hash (measurements live in docs/tuning.md, history in git).
+- Launch choices are passed as configs: no test changes a module's
+  attributes (monkeypatch, setattr) and no benchmark evals its options.
 """
 from __future__ import annotations
 
@@ -38,3 +40,32 @@ def test_no_history_in_the_package():
                 if rx.search(line):
                     bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+TESTS = ROOT / "tests"
+BENCHMARKS = ROOT / "benchmarks"
+# a test that changes a module's attribute (monkeypatch.setattr, setattr) instead of passing a config
+_PATCH = re.compile(r"\bmonkeypatch\b|\bsetattr\(")
+# eval / exec of text built from options (ast.literal_eval reads literals only)
+_EVAL = re.compile(r"(?<![\w.])(eval|exec)\(")
+
+
+def test_rules_find_patches_and_eval():
+    assert _PATCH.search('monkeypatch.setattr(A, "FINISH", False)') and _PATCH.search("setattr(mod, name, v)")
+    assert _EVAL.search('eval(f"{mod}.{name} = {value}")') and not _EVAL.search("ast.literal_eval(text)")
+
+
+def test_no_test_patches_a_module_and_no_benchmark_evals():
+    bad = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.name == "test_repo_rules.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if _PATCH.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if _EVAL.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+

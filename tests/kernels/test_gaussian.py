@@ -1,37 +1,26 @@
 """Gaussian selection kernels (statistics, tau-hat iteration, select) against the reference."""
 from __future__ import annotations
 
-import importlib  # noqa: F401
-import sys  # noqa: F401
+import importlib
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402,F401
+pytest.importorskip("triton")
 
 import entmaxkv.kernels as K  # noqa: E402
-from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402,F401
-from entmaxkv import attention as RA  # noqa: E402,F401
-from entmaxkv import policies as RP  # noqa: E402,F401
-from entmaxkv import scoring as RS  # noqa: E402,F401
-from entmaxkv.testing import DEVICE as DEV, KERNEL_TOL as TOL, alibi, page_sets, random_cache, rel_err  # noqa: E402,F401
+from entmaxkv import Gaussian  # noqa: E402
+from entmaxkv import policies as RP  # noqa: E402
+from entmaxkv import scoring as RS  # noqa: E402
+from entmaxkv.kernels import GaussianConfig, KernelConfig  # noqa: E402
+from entmaxkv.testing import page_sets, tau_hat_oracle  # noqa: E402
 from entmaxkv.testing import random_case as case  # noqa: E402
-from entmaxkv.cache import PagedKVCache  # noqa: E402,F401
-from entmaxkv.gaussian import pooled_moments, solve_tau_hat  # noqa: E402,F401
-from entmaxkv.types import Pending, Selection  # noqa: E402,F401
+
+gk = importlib.import_module("entmaxkv.kernels.gaussian")
+GC = GaussianConfig()
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-
-def _gaussian_oracle(q, cache, ids, sl, alpha, pooled):
-    """tau_hat from float64 statistics (the reference solve, float64 path)."""
-    mu, sg, n = RS.gaussian_stats(q.double(), cache, ids, scale=0.3, slopes=None if sl is None else sl.double())
-    w = n[:, None, :].expand_as(mu)
-    if pooled:
-        a, b, c = pooled_moments(mu, sg, w)
-        return solve_tau_hat(a[..., None], b[..., None], c[..., None], alpha, iters=120)
-    return solve_tau_hat(mu, sg, w, alpha, iters=120)
 
 
 @pytest.mark.parametrize("alpha,pooled,per_q,slopes", [
@@ -43,30 +32,29 @@ def test_gaussian_select(alpha, pooled, per_q, slopes):
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["iterated", "pooled"])
-def test_gaussian_select_short_stats_chunks(pooled, monkeypatch):
+def test_gaussian_select_short_stats_chunks(pooled):
     """The stats and selection launches cut into more chunks than the
-    iteration launches (as on a GPU with few rows, and as SEL_CH does on
+    iteration launches (as on a GPU with few rows, and as sel_ch does on
     long rows): the partial statistics still merge right and every page is
     tested once."""
-    gk = importlib.import_module("entmaxkv.kernels.gaussian")
-    monkeypatch.setattr(gk, "MIN_CH", 16)
-    monkeypatch.setattr(gk, "STATS_TUNE", (True, 16, 4, None, 4096))
-    monkeypatch.setattr(gk, "SEL_CH", 32)  # and selection chunks shorter than the partials' chunks
-    cfg = gk.gauss_plan(113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
+    # (and selection chunks shorter than the partials' chunks)
+    c = GaussianConfig(min_ch=16, stats_tune=(True, 16, 4, None, 4096), sel_ch=32)
+    cfg = gk.gauss_plan(c, 113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
     assert cfg["NCS"] > cfg["NCH"]
-    _check_gaussian_select(1.5, pooled, False, True)
+    _check_gaussian_select(1.5, pooled, False, True, c=c)
 
 
 @pytest.mark.parametrize("slopes", [True, False], ids=["alibi", "iid"])
-def test_gaussian_select_several_blocks_per_chunk(slopes, monkeypatch):
+def test_gaussian_select_several_blocks_per_chunk(slopes, launches):
     """Iteration chunks of several blocks (each block's mu, sigma loaded
     while the previous one is used, the last prefetch masked off): every
     block is summed once, with its own pages."""
-    gk = importlib.import_module("entmaxkv.kernels.gaussian")
-    monkeypatch.setattr(gk, "ITER_BLOCK", 16)
-    cfg = gk.gauss_plan(113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
+    c = GaussianConfig(iter_block=16)
+    cfg = gk.gauss_plan(c, 113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
     assert cfg["CH"] >= 64  # so the iteration launches loop over >= 4 blocks
-    _check_gaussian_select(1.5, False, False, slopes)
+    _check_gaussian_select(1.5, False, False, slopes, c=c)
+    iters = [k for n, _, k, _ in launches if n == "_iter_kernel"]
+    assert len(iters) == c.nit and all(k["BLOCK"] == 16 and k["CH"] >= 64 for k in iters)
 
 
 @pytest.mark.parametrize("B,H,n,ch", [
@@ -76,34 +64,29 @@ def test_gaussian_select_several_blocks_per_chunk(slopes, monkeypatch):
     (8, 24, 1 << 15, 1024),
     (1, 24, 1 << 21, 4096),  # 1 x 2M: 24 rows < SMs keep 4096-page chunks
 ], ids=["8x1M", "8x512k", "8x128k", "8x32k", "1x2M"])
-def test_gaussian_iteration_chunks_by_rows(B, H, n, ch, monkeypatch):
+def test_gaussian_iteration_chunks_by_rows(B, H, n, ch):
     """The GPU plan of the iteration chunks (interpreter cap off): the
-    longest chunk of MAX_CH[many rows] that keeps ITER_PER_SM programs per
-    SM, on an H200's 132 SMs."""
-    gk = importlib.import_module("entmaxkv.kernels.gaussian")
-    monkeypatch.setattr(gk, "interpreting", lambda: False)
+    longest chunk of max_ch_many / max_ch_few (by rows) that keeps
+    iter_per_sm programs per SM, on an H200's 132 SMs."""
     M = n // 16
-    cfg = gk.gauss_plan(M, 1, 32, torch.float16, torch.float16, rows=B * H, sms=132)
+    cfg = gk.gauss_plan(GC, M, 1, 32, torch.float16, torch.float16, rows=B * H, sms=132, interpreted=False)
     assert cfg["CH"] == ch and cfg["NCH"] == -(-M // ch)
-    assert B * H * cfg["NCH"] >= gk.ITER_PER_SM * 132 or ch == 1024
+    assert B * H * cfg["NCH"] >= GC.iter_per_sm * 132 or ch == 1024
 
 
 @pytest.mark.parametrize("G,D,dtype,prefetch", [
     (1, 24, torch.float16, False), (1, 24, torch.float16, True), (2, 40, torch.float32, True),
     (4, 16, torch.bfloat16, False),
 ], ids=["mha-f16", "mha-f16-prefetch", "g2-f32-prefetch", "gqa4-bf16-dot"])
-def test_gaussian_stats_blocks(G, D, dtype, prefetch, monkeypatch):
+def test_gaussian_stats_blocks(G, D, dtype, prefetch):
     """The stats launch with 16-page blocks (several per chunk), on the
     elementwise path loading each block's page ids and moments one block
     ahead or not, and on the tl.dot path: every block must be reduced with
     its own pages (tau_hat against the oracle, pages by the definition)."""
-    gk = importlib.import_module("entmaxkv.kernels.gaussian")
-    monkeypatch.setattr(gk, "STATS_TUNE", (prefetch, 16, 4, None, 1 << 16))
-    monkeypatch.setattr(gk, "DOT_STATS_TUNE", (16, 4, None, 1 << 16))
-    monkeypatch.setattr(gk, "MIN_CH", 32)
-    cfg = gk.gauss_plan(113, G, D, dtype, dtype, rows=3, sms=4)
+    c = GaussianConfig(stats_tune=(prefetch, 16, 4, None, 1 << 16), dot_stats_tune=(16, 4, None, 1 << 16), min_ch=32)
+    cfg = gk.gauss_plan(c, 113, G, D, dtype, dtype, rows=3, sms=4)
     assert cfg["SNSUB"] >= 2 and cfg["SBLOCK_M"] == 16 and cfg["SPREFETCH"] == (prefetch and G < 3)
-    _check_gaussian_select(1.5, False, False, True, H=3, G=G, D=D, dtype=dtype)
+    _check_gaussian_select(1.5, False, False, True, H=3, G=G, D=D, dtype=dtype, c=c)
 
 
 @pytest.mark.parametrize("H,D,dtype,alpha,pooled,slopes", [
@@ -131,29 +114,27 @@ def test_gaussian_select_unpacked_statistics():
 
 
 @pytest.mark.parametrize("slopes", [False, True], ids=["iid", "alibi"])
-def test_gaussian_converged_launches_forward_the_state(slopes, monkeypatch):
-    """Once a Halley step is below CONV_TOL the later iteration launches skip
+def test_gaussian_converged_launches_forward_the_state(slopes):
+    """Once a Halley step is below conv_tol the later iteration launches skip
     their pages: tau_hat must equal (to float32 rounding) the solve that never
     stops early, itself within 1e-4 of the float64 oracle."""
-    gk = sys.modules["entmaxkv.kernels.gaussian"]
     cache, ids, q, sl = case([3000, 700], 2, 1, 16, 4, torch.float32, seed=21, slopes=slopes)
     pol = Gaussian(q_max=0.99, margin=0.05, sinks=1)
     early = K.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
-    monkeypatch.setattr(gk, "CONV_TOL", 0.0)
-    monkeypatch.setattr(gk, "NIT", 8)
-    full = K.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    never = KernelConfig(gaussian=GaussianConfig(conv_tol=0.0, nit=8))
+    full = K.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=never)
     rel = (early.tau_hat.double() - full.tau_hat.double()).abs() / full.tau_hat.double().abs()
     assert rel.max().item() <= 2.4e-7, rel.max().item()
-    oracle = _gaussian_oracle(q, cache, ids, sl, 1.5, False)
+    oracle = tau_hat_oracle(q, cache, ids, scale=0.3, slopes=sl, alpha=1.5, pooled=False)
     assert (early.tau_hat.double() - oracle).abs().max() < 1e-4
 
 
-def _check_gaussian_select(alpha, pooled, per_q, slopes, H=2, G=2, D=16, dtype=torch.float32):
+def _check_gaussian_select(alpha, pooled, per_q, slopes, H=2, G=2, D=16, dtype=torch.float32, c=GC):
     lens = [300, 900, 9]
     cache, ids, q, sl = case(lens, H, G, D, 8, dtype, seed=7, slopes=slopes)
     pol = Gaussian(q_max=0.99, margin=0.05, pooled=pooled, sinks=1, per_query_head=per_q)
-    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
-    oracle = _gaussian_oracle(q, cache, ids, sl, alpha, pooled)
+    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl, config=KernelConfig(gaussian=c))
+    oracle = tau_hat_oracle(q, cache, ids, scale=0.3, slopes=sl, alpha=alpha, pooled=pooled)
     assert (sel.tau_hat.double() - oracle).abs().max() < 1e-4
     # the kept pages follow the definition, evaluated at the kernel's tau_hat
     mu, sg, n = RS.gaussian_stats(q, cache, ids, scale=0.3, slopes=sl)

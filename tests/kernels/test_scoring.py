@@ -1,31 +1,17 @@
 """Scoring kernels (Quest bounds, Gaussian page statistics) against the reference."""
 from __future__ import annotations
 
-import importlib  # noqa: F401
-import sys  # noqa: F401
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402,F401
+pytest.importorskip("triton")
 
 import entmaxkv.kernels as K  # noqa: E402
-from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402,F401
-from entmaxkv import attention as RA  # noqa: E402,F401
-from entmaxkv import policies as RP  # noqa: E402,F401
-from entmaxkv import scoring as RS  # noqa: E402,F401
-from entmaxkv.testing import DEVICE as DEV, KERNEL_TOL as TOL, alibi, page_sets, random_cache, rel_err  # noqa: E402,F401
-from entmaxkv.testing import random_case as case  # noqa: E402
-from entmaxkv.cache import PagedKVCache  # noqa: E402,F401
-from entmaxkv.gaussian import pooled_moments, solve_tau_hat  # noqa: E402,F401
-from entmaxkv.types import Pending, Selection  # noqa: E402,F401
+from entmaxkv import scoring as RS  # noqa: E402
+from entmaxkv.testing import random_case as case, rel_err  # noqa: E402
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-
-# scoring
-# ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype,G,slopes", [
@@ -42,5 +28,3 @@ def test_scoring_matches_reference(dtype, G, slopes):
     rmu, rsg, rn = RS.gaussian_stats(q, cache, ids, scale=0.3, slopes=sl)
     assert rel_err(mu, rmu) < 1e-6 and rel_err(sg, rsg) < 1e-6 and torch.equal(n, rn.float())
 
-
-# ---------------------------------------------------------------------------

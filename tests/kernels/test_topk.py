@@ -1,28 +1,42 @@
 """Top-k selection kernels (keys, row selection, chains) against the reference policy."""
 from __future__ import annotations
 
-import importlib  # noqa: F401
-import sys  # noqa: F401
+import dataclasses
+import importlib
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402,F401
+import triton.language as tl  # noqa: E402
 
 import entmaxkv.kernels as K  # noqa: E402
-from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402,F401
-from entmaxkv import attention as RA  # noqa: E402,F401
-from entmaxkv import policies as RP  # noqa: E402,F401
-from entmaxkv import scoring as RS  # noqa: E402,F401
-from entmaxkv.testing import DEVICE as DEV, KERNEL_TOL as TOL, alibi, page_sets, random_cache, rel_err  # noqa: E402,F401
+from entmaxkv import TopK  # noqa: E402
+from entmaxkv import attention as RA  # noqa: E402
+from entmaxkv import policies as RP  # noqa: E402
+from entmaxkv import scoring as RS  # noqa: E402
+from entmaxkv.cache import PagedKVCache  # noqa: E402
+from entmaxkv.kernels import KernelConfig, TopKConfig  # noqa: E402
+from entmaxkv.testing import DEVICE as DEV, page_sets, rel_err  # noqa: E402
 from entmaxkv.testing import random_case as case  # noqa: E402
-from entmaxkv.cache import PagedKVCache  # noqa: E402,F401
-from entmaxkv.gaussian import pooled_moments, solve_tau_hat  # noqa: E402,F401
-from entmaxkv.types import Pending, Selection  # noqa: E402,F401
+from entmaxkv.types import Selection  # noqa: E402
+
+tk = importlib.import_module("entmaxkv.kernels.topk")
+TC = TopKConfig()
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def _cfg(c: TopKConfig) -> KernelConfig:
+    return KernelConfig(topk=c)
+
+
+def _rowsel_calls(launches):
+    """(cnt, nchk) of every _rowsel_kernel launch: the keys pass's counters it
+    polled (None: it did not poll) and the count it waited for."""
+    return [(a[9] if k["POLL"] else None, a[17]) for n, a, k, _ in launches if n == "_rowsel_kernel"]
+
 
 # selection
 # ---------------------------------------------------------------------------
@@ -33,13 +47,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 ], ids=["k24", "k64-sinks-window", "k40-per-q", "k16-sinks3"])
 @pytest.mark.parametrize("P,lens", [(4, [37, 1300, 5]), (8, [2100, 1, 333])], ids=["p4", "p8"])
 @pytest.mark.parametrize("merge", ["regs", "loop"])
-def test_topk_select_matches_reference(policy, P, lens, merge, monkeypatch):
+def test_topk_select_matches_reference(policy, P, lens, merge, launches):
     """lens with 1300/2100 tokens span several chunks: the merge kernel runs,
-    with the row's candidates in registers or (MERGE_REGS = 1) streamed."""
-    if merge == "loop":
-        monkeypatch.setattr(sys.modules["entmaxkv.kernels.topk"], "MERGE_REGS", 1)
+    with the row's candidates in registers or (merge_regs = 1) streamed."""
+    c = TopKConfig(merge_regs=1 if merge == "loop" else TC.merge_regs)
     cache, ids, q, sl = case(lens, 2, 3, 16, P, torch.float16, seed=6, slopes=True)
-    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=_cfg(c))
+    merges = [k["ONE_TILE"] for n, _, k, _ in launches if n == "_merge_kernel"]
+    assert merges and all(one == (merge == "regs") for one in merges)
     ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     assert sel.pages.shape == ref.pages.shape
     assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
@@ -51,54 +66,39 @@ def test_topk_select_matches_reference(policy, P, lens, merge, monkeypatch):
     (torch.float16, 3, 24, 4, True), (torch.bfloat16, 5, 16, 8, False), (torch.float32, 2, 40, 1, True),
 ], ids=["f16-h3-alibi", "bf16-h5", "f32-h2-p1-alibi"])
 @pytest.mark.parametrize("all_heads", [True, "rowsel", False], ids=["all-heads", "all-heads-rowsel", "per-head"])
-def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_heads, monkeypatch):
+def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_heads, launches):
     """MHA (G = 1): _keys_kernel scores every head of a page in one program
     (odd head counts pad to a power of two), then the chunked chain or
     (rowsel, forced sink / window pages among the keys) _rowsel_kernel; the
     per-head path must agree."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    monkeypatch.setattr(tk, "ALL_HEADS", bool(all_heads))
-    monkeypatch.setattr(tk, "ROWSEL", all_heads == "rowsel")
-    monkeypatch.setattr(tk, "ROWSEL_MIN_PAGES", 0)
+    c = TopKConfig(all_heads=bool(all_heads), rowsel=all_heads == "rowsel", rowsel_min_pages=0)
     cache, ids, q, sl = case([700, 3, 1100], H, 1, D, P, dtype, seed=9, slopes=slopes)
-    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=_cfg(c))
+    ran = launches.names()
+    assert ("_keys_kernel" in ran) == bool(all_heads) and ("_rowsel_kernel" in ran) == (all_heads == "rowsel")
     ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     assert sel.pages.shape == ref.pages.shape
     assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
     assert page_sets(sel) == page_sets(ref)
 
 
-def _spy_rowsel(monkeypatch, tk):
-    """Record (cnt, nchk) of every launch_rowsel call, after it ran."""
-    calls = []
-    real = tk.launch_rowsel
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        calls.append((k.get("cnt"), k.get("nchk", 0)))
-        return out
-    monkeypatch.setattr(tk, "launch_rowsel", spy)
-    return calls
-
-
-def test_rowsel_dispatch(monkeypatch):
+def test_rowsel_dispatch(launches):
     """use_rowsel picks _rowsel_kernel except for short rows with small
     budgets when rows >= SMs (the benchmark's 8 x 32k top-k 1024), and
-    select_topk follows it (a spy on launch_rowsel), the pages right either way."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    assert not tk.use_rowsel(64, 2048, 192, 132)  # 8 x 32k top-k 1024: the chunked chain
-    assert tk.use_rowsel(256, 2048, 192, 132)  # top-k 4096
-    assert tk.use_rowsel(64, 8192, 192, 132)  # 8 x 128k
-    assert tk.use_rowsel(64, 2048, 24, 132)  # batch 1
-    assert not tk.use_rowsel(1024, 2**17, 24, 132)  # wider than ROWSEL_MAX_W
-    calls = _spy_rowsel(monkeypatch, tk)
+    select_topk follows it, the pages right either way."""
+    assert not tk.use_rowsel(TC, 64, 2048, 192, 132)  # 8 x 32k top-k 1024: the chunked chain
+    assert tk.use_rowsel(TC, 256, 2048, 192, 132)  # top-k 4096
+    assert tk.use_rowsel(TC, 64, 8192, 192, 132)  # 8 x 128k
+    assert tk.use_rowsel(TC, 64, 2048, 24, 132)  # batch 1
+    assert not tk.use_rowsel(TC, 1024, 2**17, 24, 132)  # wider than rowsel_max_w
     for lens, H, policy, want in [([700, 3], 1, TopK(24), True), ([700, 3, 1100], 2, TopK(24), False),
                                   ([700, 3, 1100], 2, TopK(300), True)]:
-        calls.clear()
+        launches.clear()
         cache, ids, q, _ = case(lens, H, 1, 16, 4, torch.float16, seed=H + len(lens))
         sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
         ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
-        assert bool(calls) == want  # 4 SMs on the interpreter: rows >= 4 with W <= 64 take the chain
+        # 4 SMs on the interpreter: rows >= 4 with W <= 64 take the chain
+        assert bool(_rowsel_calls(launches)) == want and ("_merge_kernel" in launches.names()) != want
         assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
         assert page_sets(sel) == page_sets(ref)
 
@@ -109,19 +109,18 @@ def test_rowsel_dispatch(monkeypatch):
     (torch.float16, 3, 24, 4, True, [700, 3, 1100]), (torch.bfloat16, 5, 16, 8, False, [1500, 2]),
     (torch.float32, 2, 40, 1, True, [37, 900, 1, 401]),
 ], ids=["f16-h3-b3-alibi", "bf16-h5-b2", "f32-h2-p1-b4-alibi"])
-def test_topk_overlapped(policy, dtype, H, D, P, slopes, lens, monkeypatch):
-    """The overlapped selection (use_overlap forced: on the interpreter
+def test_topk_overlapped(policy, dtype, H, D, P, slopes, lens, launches):
+    """The overlapped selection (overlap_needs_pdl off: on the interpreter
     there is no PDL, so the selection runs after the keys pass, but through
     the same code): _keys_kernel in batch order raising a counter per batch
     row after each chunk, _rowsel_kernel polling it and taking its rows'
     group maxima itself. Every batch row's counter must end at the number
     of chunks the selection waits for, and the pages must be the
     reference's (odd lengths, a sequence of one page, sinks / window, ALiBi)."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    monkeypatch.setattr(tk, "use_overlap", lambda B, W, MK, pdl: True)
-    calls = _spy_rowsel(monkeypatch, tk)
+    cfg = _cfg(TopKConfig(overlap_needs_pdl=False))
     cache, ids, q, sl = case(lens, H, 1, D, P, dtype, seed=len(lens) + H, slopes=slopes)
-    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=cfg)
+    calls = _rowsel_calls(launches)
     ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     assert len(calls) == 1 and calls[0][0] is not None and calls[0][1] >= 1
     cnt, nchk = calls[0]
@@ -133,50 +132,49 @@ def test_topk_overlapped(policy, dtype, H, D, P, slopes, lens, monkeypatch):
     ready = sel.pending.counters
     assert ready.shape == (2, len(lens), H) and len(sel.pending.hold) == 8
     assert bool((ready[0] == 1).all()) and bool((ready[1] == 0).all())
-    out, _ = K.attend(q, cache, ids, sel, alpha=1.5, scale=0.3, slopes=sl)  # (its rows polled: POLL_READY)
+    out, _ = K.attend(q, cache, ids, sel, alpha=1.5, scale=0.3, slopes=sl, config=cfg)  # (its rows polled)
     want, _ = RA.attend(q, cache, ids, ref, alpha=1.5, scale=0.3, slopes=sl)
     assert rel_err(out, want) < 1e-2
 
 
-def test_topk_overlap_dispatch(monkeypatch):
-    """use_overlap: batch >= 2, rows of at most OVERLAP_MAX_KEYS slots,
+def test_topk_overlap_dispatch(launches):
+    """use_overlap: batch >= 2, rows of at most overlap_max_keys slots,
     widths _rowsel_kernel takes, PDL launches; select_topk follows it but
     never with the certified bounds (ub), and not on the interpreter (no
-    PDL) unless forced."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    assert tk.use_overlap(8, 64, 8192, True)  # 8 x 128k top-k 1024
-    assert tk.use_overlap(8, 256, 32768, True)  # 8 x 512k top-k 4096
-    assert not tk.use_overlap(1, 64, 8192, True)  # batch 1
-    assert not tk.use_overlap(8, 64, 65536, True)  # 8 x 1M: rows too long for one program's maxima
-    assert not tk.use_overlap(8, 1024, 8192, True)  # wider than ROWSEL_MAX_W
-    assert not tk.use_overlap(8, 64, 8192, False)  # no PDL: nothing to overlap
-    monkeypatch.setattr(tk, "OVERLAP", False)
-    assert not tk.use_overlap(8, 64, 8192, True)
-    monkeypatch.setattr(tk, "OVERLAP", True)
-    calls = _spy_rowsel(monkeypatch, tk)
+    PDL) unless overlap_needs_pdl is off."""
+    assert tk.use_overlap(TC, 8, 64, 8192, True)  # 8 x 128k top-k 1024
+    assert tk.use_overlap(TC, 8, 256, 32768, True)  # 8 x 512k top-k 4096
+    assert not tk.use_overlap(TC, 1, 64, 8192, True)  # batch 1
+    assert not tk.use_overlap(TC, 8, 64, 65536, True)  # 8 x 1M: rows too long for one program's maxima
+    assert not tk.use_overlap(TC, 8, 1024, 8192, True)  # wider than rowsel_max_w
+    assert not tk.use_overlap(TC, 8, 64, 8192, False)  # no PDL: nothing to overlap
+    assert not tk.use_overlap(dataclasses.replace(TC, overlap=False), 8, 64, 8192, True)
+    assert tk.use_overlap(dataclasses.replace(TC, overlap_needs_pdl=False), 8, 64, 8192, False)
     cache, ids, q, _ = case([700, 3, 1100], 2, 1, 16, 4, torch.float16, seed=3)
     ref = RP.select(TopK(300), q, cache, ids, alpha=1.5, scale=0.3)
+    launches.clear()
     sel = K.select(TopK(300), q, cache, ids, alpha=1.5, scale=0.3)
-    assert calls == [(None, 0)] and page_sets(sel) == page_sets(ref)  # the interpreter: no PDL
-    monkeypatch.setattr(tk, "use_overlap", lambda B, W, MK, pdl: True)
-    calls.clear()
+    assert _rowsel_calls(launches) == [(None, 0)] and page_sets(sel) == page_sets(ref)  # the interpreter: no PDL
+    forced = _cfg(TopKConfig(overlap_needs_pdl=False))
+    launches.clear()
     ub = torch.empty(3, 2, cache.block_table.shape[1], dtype=torch.float32, device=DEV)
-    sel = tk.select_topk(q, cache, ids, budget=300, scale=0.3, ub=ub)
+    sel = tk.select_topk(q, cache, ids, budget=300, scale=0.3, ub=ub, config=forced)
+    calls = _rowsel_calls(launches)
     assert calls == [(None, 0)] and page_sets(sel) == page_sets(ref)  # the certified bounds: not overlapped
-    calls.clear()
-    sel = tk.select_topk(q, cache, ids, budget=300, scale=0.3)
+    launches.clear()
+    sel = tk.select_topk(q, cache, ids, budget=300, scale=0.3, config=forced)
+    calls = _rowsel_calls(launches)
     assert len(calls) == 1 and calls[0][0] is not None and page_sets(sel) == page_sets(ref)
 
 
 @pytest.mark.parametrize("published", [True, False], ids=["published", "poll-gives-up"])
-def test_rowsel_poll(published, monkeypatch):
+def test_rowsel_poll(published):
     """_rowsel_kernel with counters (launch_rowsel's cnt) on a ready key
     table: waiting for counters already at nchk, or for counters that never
-    get there (OVERLAP_POLLS = 3: the poll gives up, and without PDL the
+    get there (overlap_polls = 3: the poll gives up, and without PDL the
     keys were complete before the launch), it selects each row's k largest
     keys, taking the group maxima itself."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    monkeypatch.setattr(tk, "OVERLAP_POLLS", 3)
+    c = TopKConfig(overlap_polls=3)
     gen = torch.Generator().manual_seed(8)
     P, MK, CH, nchk = 4, 1024, 256, 5
     n_pages = [1000, 10, 750, 333]
@@ -188,7 +186,7 @@ def test_rowsel_poll(published, monkeypatch):
     pages = torch.full((2, 2, 16), -1, dtype=torch.int32, device=DEV)
     counts = torch.full((2, 2), -1, dtype=torch.int32, device=DEV)
     tk.launch_rowsel(keys.flatten().to(DEV), MK, CH, torch.tensor([0, 2], dtype=torch.int32, device=DEV),
-                     lens.to(DEV), pages, counts, 0, 0, 9, P, cnt=cnt, nchk=nchk)
+                     lens.to(DEV), pages, counts, 0, 0, 9, P, c=c, cnt=cnt, nchk=nchk)
     for r, m in enumerate(n_pages):
         seq_len = int(lens[[0, 2][r // 2]])  # batch row b reads cache slot ids[b]; its two rows share it
         k_row = min(9, -(-seq_len // P))
@@ -205,11 +203,10 @@ def test_rowsel_publishes():
     1 per row, and the attention launched next polls them, its split
     programs counting into counters[1]; the output equals the attention
     over the same pages without counters."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
     keys = torch.randint(-1000, 1000, (3 * 64,), dtype=torch.int32, device=DEV)
     ready = torch.full((2, 3), 7, dtype=torch.int32, device=DEV)
     opts = tk.launch_opts(keys.device, True)
-    gmax, NKP, gs = tk.launch_gmax(keys, 3, 64, 16, 4, opts, ready=ready)
+    gmax, NKP, gs = tk.launch_gmax(keys, 3, 64, 16, 4, opts, TC, ready=ready)
     assert bool((ready == 0).all())
     assert torch.equal(gmax.view(3, NKP).cpu(), keys.view(3, NKP, gs).amax(dim=2).cpu())
     cache, ids, q, _ = case([700, 3, 1100], 2, 1, 16, 4, torch.float16, seed=5)
@@ -225,7 +222,7 @@ def test_rowsel_publishes():
 
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
 @pytest.mark.parametrize("path", ["rowsel", "rowsel-cut", "chunks", "chunks-exact-lb", "no-prefilter"])
-def test_topk_long_rows_prefilter(layout, path, monkeypatch):
+def test_topk_long_rows_prefilter(layout, path, launches):
     """Long MHA rows, small budget: more group maxima (_gmax_kernel) than
     pages kept, so no page below the k-th largest group maximum lb is read
     past the maxima. rowsel: _rowsel_kernel appends a row's keys >= lb to its
@@ -234,19 +231,14 @@ def test_topk_long_rows_prefilter(layout, path, monkeypatch):
     clustered or tied); chunks: _lb_kernel, then _chunk_kernel drops the
     pages below lb and bisects the chunks left with more than k (clustered:
     the best pages crowd into one chunk) and _merge_kernel merges them
-    (lb stopped early, at most LB_E maxima past k; exact-lb: bisected to the
+    (lb stopped early, at most lb_e maxima past k; exact-lb: bisected to the
     k-th maximum); no-prefilter: every chunk bisects. ties: 300 pages share the top bound,
     so which pages are kept is arbitrary but they must be k_row pages of the
     top rank."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    monkeypatch.setattr(tk, "PREFILTER", path != "no-prefilter")
-    monkeypatch.setattr(tk, "ROWSEL", path.startswith("rowsel"))
-    monkeypatch.setattr(tk, "ROWSEL_MIN_PAGES", 0)
-    if path == "rowsel-cut":
-        monkeypatch.setattr(tk, "ROWSEL_BLK", 8)
-    if path == "chunks-exact-lb":
-        monkeypatch.setattr(tk, "LB_NT", 1)
-        monkeypatch.setattr(tk, "LB_E", -1)
+    c = TopKConfig(prefilter=path != "no-prefilter", rowsel=path.startswith("rowsel"), rowsel_min_pages=0,
+                   rowsel_blk=8 if path == "rowsel-cut" else TC.rowsel_blk,
+                   lb_nt=1 if path == "chunks-exact-lb" else TC.lb_nt,
+                   lb_e=-1 if path == "chunks-exact-lb" else TC.lb_e)
     gen = torch.Generator().manual_seed(21)
     B, n, H, D, P = 2, 4000, 2, 16, 4
     k = torch.randn(B, n, H, D, generator=gen)
@@ -261,8 +253,11 @@ def test_topk_long_rows_prefilter(layout, path, monkeypatch):
     ids = torch.tensor(slots, dtype=torch.int32, device=DEV)
     q = q.to(torch.float16).to(DEV)
     pol = TopK(24)
-    sel = K.select(pol, q, cache, ids, alpha=1.5, scale=0.25)
+    sel = K.select(pol, q, cache, ids, alpha=1.5, scale=0.25, config=_cfg(c))
     ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.25)
+    ran = launches.names()
+    assert ("_rowsel_kernel" in ran) == path.startswith("rowsel")
+    assert ("_lb_kernel" in ran) == path.startswith("chunks") and ("_gmax_kernel" in ran) == (path != "no-prefilter")
     assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
     if layout != "ties":
         assert page_sets(sel) == page_sets(ref)
@@ -284,32 +279,28 @@ def test_topk_long_rows_prefilter(layout, path, monkeypatch):
 @pytest.mark.parametrize("order", ["random", "permutation", "ascending", "descending", "few-values", "equal",
                                    "late-ties"])
 @pytest.mark.parametrize("groups", ["tight", "tight-exact-lb", "tight-buffer", "tight-from-below", "no-lb", "cut"])
-def test_topk_rowsel_key_table(order, groups, monkeypatch):
+def test_topk_rowsel_key_table(order, groups):
     """_gmax_kernel + _rowsel_kernel on hand-made key tables against
     torch.topk: the kept keys of each row (3 rows of 1000 / 10 / 750 pages,
     6 or 9 pages kept) must be exactly the row's k largest (as a multiset:
     ties may be kept in any order), at distinct pages of the row. tight: 256
     groups per row, every listed group read in one tile (the usual case),
-    cut in registers from below when at most ROWSEL_FEW keys >= lb are past
+    cut in registers from below when at most rowsel_few keys >= lb are past
     the budget (buffer: never, through the candidate buffer and the search
     from above; from-below: whatever the excess, ties included), lb's search
     stopped as soon as no more than k maxima reach it (exact-lb: searched to
-    the k-th maximum, ROWSEL_E = -1); no-lb: 4 groups, fewer than k, so lb cannot filter and every key is a
+    the k-th maximum, rowsel_e = -1); no-lb: 4 groups, fewer than k, so lb cannot filter and every key is a
     candidate (more than fit the one tile's 512 slots: the step loop, into a
     2048-slot buffer, cut to its k best when full); cut: 64 groups of 16,
     no one-tile pass, 16-key steps into a 32-slot buffer, cut again and
     again (ascending: at nearly every step; equal: every key ties;
     late-ties: a key just above a cut's k-th key arrives after it, and a
     later cut's k-th key is below the first cut's)."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
-    monkeypatch.setattr(tk, "GMAX_GROUPS", {"no-lb": 4, "cut": 64}.get(groups, 256))
-    monkeypatch.setattr(tk, "ROWSEL_FEW", {"tight-buffer": -1, "tight-from-below": 10**6}.get(groups, 8))
-    monkeypatch.setattr(tk, "ROWSEL_E", -1 if groups == "tight-exact-lb" else 0)
-    monkeypatch.setattr(tk, "ROWSEL_GROUPS_PER_PAGE", 0)
-    monkeypatch.setattr(tk, "ROWSEL_GS", 4096)
-    if groups == "cut":
-        monkeypatch.setattr(tk, "ROWSEL_BLK", 8)
-        monkeypatch.setattr(tk, "ROWSEL_ONE", 16)
+    c = TopKConfig(gmax_groups={"no-lb": 4, "cut": 64}.get(groups, 256),
+                   rowsel_few={"tight-buffer": -1, "tight-from-below": 10**6}.get(groups, 8),
+                   rowsel_e=-1 if groups == "tight-exact-lb" else 0, rowsel_groups_per_page=0, rowsel_gs=4096,
+                   rowsel_blk=8 if groups == "cut" else TC.rowsel_blk,
+                   rowsel_one=16 if groups == "cut" else TC.rowsel_one)
     gen = torch.Generator().manual_seed(5)
     P, MK, CH = 4, 1024, 256
     lens = torch.tensor([4000, 37, 2999], dtype=torch.int32)
@@ -336,7 +327,7 @@ def test_topk_rowsel_key_table(order, groups, monkeypatch):
         pages = torch.full((3, 1, W), -1, dtype=torch.int32, device=DEV)
         counts = torch.full((3, 1), -1, dtype=torch.int32, device=DEV)
         tk.launch_rowsel(keys.flatten().to(DEV), MK, CH, torch.arange(3, dtype=torch.int32, device=DEV),
-                         lens.to(DEV), pages, counts, 0, 0, k_pages, P)
+                         lens.to(DEV), pages, counts, 0, 0, k_pages, P, c=c)
         for r, m in enumerate(n_pages):
             k_row = min(k_pages, m)
             assert int(counts[r, 0]) == k_row
@@ -346,7 +337,7 @@ def test_topk_rowsel_key_table(order, groups, monkeypatch):
             assert torch.equal(torch.sort(keys[r, got]).values, torch.sort(want).values), (r, order)
 
 
-TK = sys.modules["entmaxkv.kernels.topk"]
+TK = importlib.import_module("entmaxkv.kernels.topk")
 
 
 @triton.jit
@@ -391,21 +382,23 @@ def test_kth_largest_nt_early_stop(NT, E):
 
 
 @pytest.mark.parametrize("H,hg", [(6, None), (12, 4), (5, 8), (4, 1)], ids=["h6", "h12-hg4", "h5-masked", "h4-hg1"])
-def test_topk_keys_pass_head_groups(H, hg, monkeypatch):
+def test_topk_keys_pass_head_groups(H, hg, launches):
     """_keys_kernel steps over (page block, head group): H = 6 and 12 read
     runs of 2 / 4 heads (3 groups), H = 5 one masked run of 8, HG = 1 one head
     per step; several programs per row (KCH = 8). Keys (the selection) and
     the certified upper bounds (u + slack) against the reference."""
-    tk = sys.modules["entmaxkv.kernels.topk"]
     tune = {"BLOCK_M": 4, "KCH": 8}
     if hg is not None:
         tune["HG"] = hg
-    monkeypatch.setattr(tk, "KEYS_TUNE", tune)
+    cfg = _cfg(TopKConfig(keys_tune=tuple(tune.items())))
     cache, ids, q, sl = case([900, 3, 455], H, 1, 24, 4, torch.float16, seed=13, slopes=True)
     pol = TopK(32, sinks=1, window=1)
     M = cache.block_table.shape[1]
     ub = torch.full((3, H, M), float("nan"), device=DEV)
-    sel = tk.select_topk(q, cache, ids, budget=32, sinks=1, window=1, scale=0.3, slopes=sl, ub=ub)
+    sel = tk.select_topk(q, cache, ids, budget=32, sinks=1, window=1, scale=0.3, slopes=sl, ub=ub, config=cfg)
+    keys = [k for n, _, k, _ in launches if n == "_keys_kernel"]
+    assert len(keys) == 1 and keys[0]["BLOCK_M"] == 4 and keys[0]["NSUB"] == 2
+    assert keys[0]["HG"] == (hg if hg is not None else H & -H)
     ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
     assert page_sets(sel) == page_sets(ref)

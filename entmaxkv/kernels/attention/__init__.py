@@ -33,7 +33,7 @@ synchronises with the host:
 
 Entmax usually replaces 2-4 with one launch, ``_finish_kernel`` (grid B*HQ):
 the solve, then the support (p > 0) compacted into the head's own candidate
-lists and its V rows gathered, the output written directly (FINISH_* below
+lists and its V rows gathered, the output written directly (AttentionConfig.finish*
 say when).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ...types import Selection
-from ..config import resolve
+from ..config import AttentionConfig, KernelConfig, resolve
 from .._common import (
     as_slopes,
     beta_kind,
@@ -65,94 +65,16 @@ from .._common import (
     publish,
 )
 
-# Iterations of the general-alpha Halley loop and Newton polish (reference: entmax.py).
-HALLEY_ITERS = 24
-POLISH_ITERS = 2
-# Cap on Newton-from-the-left steps for alpha in {1.5, 2} (each step is exact
-# on its support, so a handful suffice; the cap only guards pathological rows).
-NEWTON_MAX = 64
-# Newton steps per tile that tighten the running lower bound in pass 1 (every
-# tile: a conditional update inside the loop measured slower, it defeats the
-# software pipelining of the K loads).
-TILE_NEWTON = 1
-# How pass 1 raises its lower bound on tau after a tile, by path (one head,
-# tl.dot with folded rows, tl.dot with zero rows): 0 three reductions, 1 one fused.
-LB_MODE = {"one_head": 1, "dot_folded": 1, "dot_rows": 0}
-# _solve_kernel iterates in registers when every candidate list of a head fits
-# one SOLVE_TILE tile (candidates); _vacc_kernel (block, warps, [block, D] accumulator) by head dim.
-SOLVE_IN_REGS = True
-# Candidates in the solve's tile ([NS_P2, SOLVE_TILE // NS_P2]; tests shrink it).
-SOLVE_TILE = 2048
-VACC_SMALL_D = (128, 4, True)
-VACC_LARGE_D = (32, 1, False)
-# Finish entmax in one launch (_finish_kernel) when lists always fit the solve tile,
-# on the tl.dot path, or with <= FINISH_MAX_SPLITS splits; warps (fitting, other); V block (tokens).
-FINISH = True
-FINISH_MAX_SPLITS = 4
-FINISH_WARPS = (4, 8)
-FINISH_BLOCK = 256
-# The solve's sums in one multi-operand reduction per step (one cross-warp exchange);
-# off on the interpreter, which runs such reductions element by element, unless FUSED_SUMS_INTERPRETED.
-FUSED_SUMS = True
-FUSED_SUMS_INTERPRETED = False
-# Attention after a still-running selection (Selection.pending) waits per row on
-# its counters instead of the whole launch, when no other launch came between (Pending.launch).
-POLL_READY = True
-# ... with the split grid (NSPLIT, rows): programs are scheduled row by row,
-# as rows are selected, rather than split 0 of every row first (whose
-# programs for rows not yet selected would hold the slots).
-POLL_ROWS_FIRST = True
-# ... only for selections of at most this many tokens per row (W * P); POLL_POLLS:
-# loads short of the target before a program waits for the whole previous launch.
-POLL_MAX_TOKENS = 2048
-POLL_POLLS = 1 << 20
+# Every launch choice is a field of AttentionConfig (kernels/config.py); the
+# plan and the launcher take it from the caller's KernelConfig.
 
 
-# ---------------------------------------------------------------------------
-# heuristics
-# ---------------------------------------------------------------------------
-
-# The split pass loads the next tile's page ids while the current tile's K is in
-# flight (a tile then waits for one load, not three); not on the dense one-head entmax pass.
-PREFETCH_PAGES = True
-# The same prefetch on walks over every page, keyed (tl.dot path, softmax).
-DENSE_PREFETCH = {(False, True): True, (False, False): False, (True, True): True, (True, False): True}
-# Dense one-head entmax pass: (BLOCK_T tokens, warps, software-pipeline stages),
-# keyed by 'at least as many rows as SMs'.
-DENSE_ENTMAX_PIPE = {True: (512, 8, 2), False: (256, 4, 3)}
-# Per-shape overrides of _plan's choices (benchmarks/tune.py fills this).
-TUNE: dict = {}
-# Programs per multiprocessor the split count aims for (may be fractional:
-# int(factor * SMs) programs in all, rounded up to whole splits per row).
-SPLIT_FACTOR = 8
-# The tl.dot softmax pass through a page list (GQA top-k).
-DOT_SOFTMAX_LIST_FACTOR = 8
-# Programs per SM of the dense one-head entmax pass with at least as many rows as SMs
-# (about one wave: fewer, longer programs).
-ENTMAX_WAVE_FACTOR = 2
-# Programs per SM of the dense tl.dot softmax pass.
-DOT_SOFTMAX_DENSE_FACTOR = 3.88
-# tl.dot entmax with NG < 16 heads per tile (NG a power of two): fill the dot's 16
-# rows with copies of the heads and fold the scores to [NG, BLOCK_T] (exact) instead of zero rows.
-FOLD_ROWS = True
-# Programs per SM of the tl.dot entmax pass (exactly, rounded down to whole splits per row).
-DOT_ENTMAX_PER_SM = 2
-# Short one-head selections (<= SMALL_SEL_TOKENS tokens per row, head dim <= 64,
-# fewer rows than SMs): (BLOCK_T, warps, stages) and programs per SM.
-SMALL_SEL_TOKENS = 2048
-SMALL_SEL = (32, 1, 2)
-SMALL_SEL_FACTOR = 16
-# Through a page list, a row spreads its kept pages over only as many splits as give
-# each this many tokens, keyed by 'at least as many rows as SMs' (0: all splits; one-head entmax).
-SPLIT_MIN_TOKENS = {False: 512, True: 8192}
-
-
-def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool, itemsize: int = 2,
-          dense: bool = True) -> dict:
-    """Block sizes and split count from shapes only (graph-capturable)."""
+def _plan(c: AttentionConfig, B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool,
+          itemsize: int = 2, dense: bool = True) -> dict:
+    """Block sizes and split count from shapes and ``c`` only (graph-capturable)."""
     # Measured on the H200 (benchmarks/tune.py; experiments/logs/tune*.log):
     # one head per program, d 32: softmax 256 x 4 warps, entmax 512 x 8 warps
-    # through a selection's page list (dense: DENSE_ENTMAX_PIPE), 3 stages;
+    # through a selection's page list (dense: dense_entmax_pipe_*), 3 stages;
     # tl.dot path, d 128 bf16: softmax 32 x 4 warps x 6 stages (dense: 32 x 2
     # warps x 4 stages, 3.88 per SM), entmax (K only) 128 x 4 warps x 3 stages
     # at 2 programs per SM. Deep pipelines of small tiles win there; the stage
@@ -169,7 +91,7 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         warps = 4
         if softmax:
             block_t, depth = max(16, min(32, 4096 // block_d)), 6
-            if dense:  # with the page-id prefetch (DENSE_PREFETCH)
+            if dense:  # with the page-id prefetch (dense_prefetch_dot_softmax)
                 depth, warps = 4, 2
         else:  # (3 stages through a page list, and with the prefetch dense: GQA 4 x 32k 0.145 -> 0.138 ms)
             block_t, depth = max(16, min(128, 16384 // block_d)), 3
@@ -180,37 +102,40 @@ def _plan(B: int, S: int, NG: int, D: int, W: int, P: int, device, softmax: bool
         if softmax:
             block_t, warps = max(16, min(256, 8192 // block_d)), 4
         elif dense:  # software-pipelined (tiles measured at d 32; larger head dims keep the tile's elements)
-            pipe_t, warps, loop_stages = DENSE_ENTMAX_PIPE[many]
+            pipe_t, warps, loop_stages = c.dense_entmax_pipe_many if many else c.dense_entmax_pipe_few
             block_t = max(16, pipe_t * 32 // max(32, block_d))
         else:  # through a page list, with the page-id prefetch: 512-token tiles at d 32 (docs/tuning.md)
             block_t, warps = max(16, min(512, 16384 // block_d)), 8
         stages = 3
     if use_dot:
-        factor = DOT_SOFTMAX_DENSE_FACTOR if dense else DOT_SOFTMAX_LIST_FACTOR
+        factor = c.dot_softmax_dense_factor if dense else c.dot_softmax_list_factor
     elif not softmax and dense and many:
-        factor = ENTMAX_WAVE_FACTOR
+        factor = c.entmax_wave_factor
     else:
-        factor = SPLIT_FACTOR
-    small = (not use_dot and not dense and block_d <= 64 and W * P <= SMALL_SEL_TOKENS
+        factor = c.split_factor
+    small = (not use_dot and not dense and block_d <= 64 and W * P <= c.small_sel_tokens
              and (softmax or not many))
     if small:
-        (block_t, warps, stages), factor = SMALL_SEL, SMALL_SEL_FACTOR
+        (block_t, warps, stages), factor = c.small_sel, c.small_sel_factor
     key = (NG, D, softmax)
-    if key in TUNE:
-        (block_t, warps, stages), factor = TUNE[key], SPLIT_FACTOR
+    tuned = dict(c.tune)
+    if key in tuned:
+        (block_t, warps, stages), factor = tuned[key], c.split_factor
     if interpreting():
         block_t = min(block_t, 32)
     if use_dot and not softmax:
-        want = max(1, int(DOT_ENTMAX_PER_SM * num_sms(device)) // rows)
+        want = max(1, int(c.dot_entmax_per_sm * num_sms(device)) // rows)
     else:
         want = cdiv(max(1, int(factor * num_sms(device))), rows)
     tokens = W * P
     nsplit = max(1, min(want, W, 128, max(1, tokens // (2 * block_t))))
-    prefetch = PREFETCH_PAGES and (not dense or DENSE_PREFETCH[(use_dot, softmax)])
+    dense_prefetch = ((c.dense_prefetch_dot_softmax if softmax else c.dense_prefetch_dot_entmax) if use_dot
+                      else (c.dense_prefetch_one_head_softmax if softmax else c.dense_prefetch_one_head_entmax))
+    prefetch = c.prefetch_pages and (not dense or dense_prefetch)
     # (not for short selections: their many small programs are the point)
-    min_per = SPLIT_MIN_TOKENS[many] // P if (not use_dot and not softmax and not dense and not small) else 0
-    fold = use_dot and not softmax and FOLD_ROWS and NG == next_pow2(NG) and NG < block_g
-    path = ("dot_folded" if fold else "dot_rows") if use_dot else "one_head"  # the LB_MODE key
+    min_per = (c.split_min_tokens_many if many else c.split_min_tokens_few) // P if (not use_dot and not softmax and not dense and not small) else 0
+    fold = use_dot and not softmax and c.fold_rows and NG == next_pow2(NG) and NG < block_g
+    path = ("dot_folded" if fold else "dot_rows") if use_dot else "one_head"  # (the lb_mode_* field)
     return dict(USE_DOT=use_dot, BLOCK_G=block_g, R=NG if fold else block_g, BLOCK_D=block_d, BLOCK_T=block_t,
                 NSPLIT=nsplit, MIN_PER=min_per, PREFETCH=prefetch, PATH=path, num_warps=warps,
                 num_stages=stages, LOOP_STAGES=loop_stages)
@@ -409,9 +334,9 @@ def _split_kernel(
     cn[r * NSPLIT + split], so later passes read only real candidates.
 
     LOOP_STAGES: num_stages of the tile loop's tl.range (None: Triton does
-    not software-pipeline a loop without tl.dot; DENSE_ENTMAX_PIPE).
+    not software-pipeline a loop without tl.dot; dense_entmax_pipe_*).
 
-    POLL (POLL_READY): 1, wait for rdy[row] (the selection's counters[0])
+    POLL (poll_ready): 1, wait for rdy[row] (the selection's counters[0])
     to reach 1 rather than for the whole previous launch; 2, and at the end
     raise done[row] (counters[1]) by one. ROWS_FIRST: the grid is (NSPLIT,
     rows), so programs are scheduled row by row, in the order rows are
@@ -954,7 +879,7 @@ def _finish_kernel(
     V rows are gathered in blocks of BLOCK_C support tokens, not over every
     candidate; their sum is the output (entmax needs no rescaling across
     splits). POLL: wait for done[row] to reach NSPLIT (the split programs
-    counted in, POLL_READY) rather than for the whole split pass."""
+    counted in, poll_ready) rather than for the whole split pass."""
     i_r = tl.program_id(0).to(tl.int64)  # b * HQ + query head
     if POLL:
         poll_start(done_ptr + i_r, NSPLIT, POLLS, PDL)
@@ -1067,11 +992,12 @@ def _check_inputs(q: torch.Tensor, cache) -> None:
 
 def _run(
     q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
-    alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None, pdl: bool = True,
+    alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None, config: KernelConfig,
 ):
     """Launch the split pass and the finishing kernels; returns (out or None, tau).
     ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
-    (POLL_READY)."""
+    (AttentionConfig.poll_ready); ``config``: the launch choices."""
+    c = config.attention
     _check_inputs(q, cache)
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
@@ -1080,7 +1006,7 @@ def _run(
     dev = q.device
     qk = q.float() if q.dtype == torch.float64 else q  # the oracle dtype runs in float32
     softmax = alpha == 1.0
-    cfg = _plan(B, S, NG, D, W, P, dev, softmax, cache.k_pages.element_size(), dense)
+    cfg = _plan(c, B, S, NG, D, W, P, dev, softmax, cache.k_pages.element_size(), dense)
     NSPLIT, BLOCK_T = cfg["NSPLIT"], cfg["BLOCK_T"]
     NS_P2 = next_pow2(NSPLIT)
     dot_f32, prec = dot_flags(cache.dtype)
@@ -1113,24 +1039,24 @@ def _run(
         clb = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
         pm = pl = clb  # unused
-        block_k = max(4, SOLVE_TILE // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
+        block_k = max(4, c.solve_tile // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
         fits = CAP <= block_k
-        finish = want_out and FINISH and (fits or cfg["USE_DOT"] or NSPLIT <= FINISH_MAX_SPLITS)
+        finish = want_out and c.finish and (fits or cfg["USE_DOT"] or NSPLIT <= c.finish_max_splits)
     # the split partials, read by _vacc_kernel / _combine_kernel only
     pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev) if softmax or (want_out and not finish) else pm
-    newton = TILE_NEWTON if (not softmax and alpha <= 2.0) else 0
-    lb_mode = LB_MODE[cfg["PATH"]] if newton <= 1 else 0  # the fused step takes one Newton step at most
-    opts = launch_opts(dev, pdl)
-    # POLL_READY: the split programs wait for their own rows; with one query
+    newton = c.tile_newton if (not softmax and alpha <= 2.0) else 0
+    lb_mode = getattr(c, "lb_mode_" + cfg["PATH"]) if newton <= 1 else 0  # the fused step takes one Newton step at most
+    opts = launch_opts(dev, config.pdl)
+    # poll_ready: the split programs wait for their own rows; with one query
     # head per row and two launches (split, then finish or combine) the
     # second waits for its rows' split programs too
     poll = 0
-    if POLL_READY and ready is not None and not dense and W * P <= POLL_MAX_TOKENS:
+    if c.poll_ready and ready is not None and not dense and W * P <= c.poll_max_tokens:
         poll = 2 if (S == HQ and want_out and (softmax or finish)) else 1
     rdy = ready[0] if poll else tau
     done = ready[1] if poll == 2 else tau
 
-    rows_first = bool(poll) and POLL_ROWS_FIRST and B * S < 65536  # (a grid's y extent)
+    rows_first = bool(poll) and c.poll_rows_first and B * S < 65536  # (a grid's y extent)
     _split_kernel[(NSPLIT, B * S) if rows_first else (B * S, NSPLIT)](
         qk, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
         pm, pl, pacc,
@@ -1145,12 +1071,12 @@ def _run(
         DENSE=dense, SOFTMAX=softmax, HAS_ALIBI=slopes is not None,
         BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
         USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
-        LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=POLL_POLLS, ROWS_FIRST=rows_first,
+        LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=c.poll_polls, ROWS_FIRST=rows_first,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
     )
     if not softmax:
         tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
-        fused = FUSED_SUMS and (FUSED_SUMS_INTERPRETED or not interpreting())
+        fused = c.fused_sums and (c.fused_sums_interpreted or not interpreting())
         if finish:
             out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
             block_d = next_pow2(D)
@@ -1160,11 +1086,11 @@ def _run(
                 svp, svh, svr, out.stride(0), out.stride(1),
                 HQ, G,
                 NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k, BLOCK_M=min(block_k, BLOCK_T),  # (divides CAP)
-                P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(FINISH_BLOCK, 8192 // block_d)),
+                P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(c.finish_block, 8192 // block_d)),
                 BETA_KIND=bk, HAS_INIT=tau_init is not None,
-                HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX,
-                MODE=(0 if fits else 1) if SOLVE_IN_REGS else 2, FUSED=fused, POLL=poll == 2, POLLS=POLL_POLLS,
-                num_warps=FINISH_WARPS[0 if fits else 1], **opts,
+                HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max,
+                MODE=(0 if fits else 1) if c.solve_in_regs else 2, FUSED=fused, POLL=poll == 2, POLLS=c.poll_polls,
+                num_warps=c.finish_warps[0 if fits else 1], **opts,
             )
             return out, tau.view(B, HQ)
         _solve_kernel[(R,)](
@@ -1172,13 +1098,13 @@ def _run(
             float(alpha), float(beta), CAP,
             NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
             BETA_KIND=bk, HAS_INIT=tau_init is not None,
-            HALLEY=HALLEY_ITERS, POLISH=POLISH_ITERS, NEWTON_CAP=NEWTON_MAX, IN_REGS=SOLVE_IN_REGS,
+            HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max, IN_REGS=c.solve_in_regs,
             FUSED=fused, num_warps=8, **opts,
         )
         if not want_out:
             return None, tau.view(B, HQ)
         block_d = next_pow2(D)
-        vblock, vwarps, vrows = VACC_SMALL_D if block_d <= 64 else VACC_LARGE_D
+        vblock, vwarps, vrows = c.vacc_small_d if block_d <= 64 else c.vacc_large_d
         _vacc_kernel[(R, NSPLIT)](
             cache.v_pages, cx, ci, cn, tau, pacc,
             float(beta), CAP,
@@ -1193,7 +1119,7 @@ def _run(
         pm, pl, pacc, tau, out, done,
         out.stride(0), out.stride(1), HQ,
         NSPLIT=NSPLIT, NS_P2=NS_P2, D=D, BLOCK_D=next_pow2(D), SOFTMAX=softmax,
-        POLL=poll == 2, POLLS=POLL_POLLS,
+        POLL=poll == 2, POLLS=c.poll_polls,
         num_warps=1 if D <= 64 else 2, **opts,
     )
     return out, tau.view(B, HQ)
@@ -1233,7 +1159,7 @@ def attend(
             distinct, first counts[b, s] valid), counts int32 [batch, S],
             S = kv_heads (one selection per KV group) or q_heads. When it
             comes from the launch just before (``pending``), each row starts
-            as soon as it is selected (POLL_READY).
+            as soon as it is selected (AttentionConfig.poll_ready).
         alpha: >= 1 (1 softmax, 1.5, 2 fast paths; any alpha > 1 works).
         scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
         tau_init: optional float [batch, q_heads] warm start (used, clamped
@@ -1266,7 +1192,7 @@ def attend(
                              f"{q.device}, got {ready.dtype} {tuple(ready.shape)} on {ready.device}")
     return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,
                 alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init, ready=ready,
-                pdl=resolve(config).pdl)
+                config=resolve(config))
 
 
 def dense_attend(
@@ -1291,7 +1217,7 @@ def dense_attend(
     """
     M = cache.block_table.shape[1]
     return _run(q, cache, seq_ids, None, None, cache.kv_heads, M, True,
-                alpha=alpha, scale=scale, slopes=slopes, tau_init=None, pdl=resolve(config).pdl)
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=None, config=resolve(config))
 
 
 def selection_tau(q, cache, seq_ids, sel: Selection, *, alpha: float, scale: float,
@@ -1302,5 +1228,5 @@ def selection_tau(q, cache, seq_ids, sel: Selection, *, alpha: float, scale: flo
     S, W = sel.pages.shape[1], sel.pages.shape[2]
     _, tau = _run(q, cache, seq_ids, sel.pages.to(torch.int32).contiguous(), sel.counts.to(torch.int32),
                   S, max(W, 1), False, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init,
-                  want_out=False, pdl=resolve(config).pdl)
+                  want_out=False, config=resolve(config))
     return tau

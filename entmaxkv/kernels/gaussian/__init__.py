@@ -14,26 +14,26 @@ selection row, z_n = Phi^{-1}(q_max^(1/n)).
 Launches (no host synchronisation, fixed count):
 1. ``_stats_kernel`` (B*H x NCS chunks of CHS <= CH pages): mu, sigma of
    every page and head (one read of k_mean / k_std, optionally prefetched
-   one block ahead: STATS_TUNE) plus per-chunk partials: token-weighted sums for the
+   one block ahead: GaussianConfig.stats_tune) plus per-chunk partials: token-weighted sums for the
    pooled Gaussian (shifted sums, accumulated per lane, one reduction per
    program) and the maxima that bracket tau_hat.
 2. ``_start_kernel`` (B*HQ): the chunk partials merged in float64 into the
    bracket and the pooled moments; state 0 = the start (the bracket's left
    end under ALiBi, else the pooled-Gaussian solution; the policy's tau_hat
    when pooled) and the pooled solution.
-3. ``_iter_kernel`` x NIT (B*HQ x NCH): safeguarded Halley on log(F + 1),
+3. ``_iter_kernel`` x nit (B*HQ x NCH): safeguarded Halley on log(F + 1),
    one launch per iteration. Launch 0 evaluates F, F', F'' at the start
    (under ALiBi at both points of state 0); later launches rebuild the same
    float64 iterate in every program of a head from the previous launch's
    partial sums (deterministic: same data, same order), then write their
-   chunk's sums at the new iterate. Once a step moves tau by <= CONV_TOL
+   chunk's sums at the new iterate. Once a step moves tau by <= conv_tol
    (relative) the solve is final and the launches skip their pages.
    Skipped when pooled.
-4. ``_select_kernel`` (B*S x blocks of at most SEL_CH pages): final
+4. ``_select_kernel`` (B*S x blocks of at most sel_ch pages): final
    iterate, threshold test, forced pages, compaction with one atomic per
    block (pages unsorted).
 
-Precision of the per-page terms (launch 3, the hot loop: up to NIT x B*HQ*M pages).
+Precision of the per-page terms (launch 3, the hot loop: up to nit x B*HQ*M pages).
 They are float32, summed per lane in float32 over at most CH / BLOCK pages,
 then across lanes and chunks in float64; the iterate and its bracket are
 float64. tau_hat sits deep in the lower tail at long context (x = -mu_Y / s_Y
@@ -50,78 +50,60 @@ The pooled solve (scalar) uses the same formulas in float64.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from ...types import Selection
-from ..config import resolve
+from ..config import GaussianConfig, resolve
 from .._common import (ATOMIC_SEM, INLINE_PTX, as_slopes, cdiv, interpreting, launch_opts, next_pow2, num_sms,
                       pdl_start)
 from ..scoring import gauss_of, kv_row, load_moments, meta_strides, page_rows, prep_query, score_plan
 
-# Halley iterations of the page-mixture solve (one launch each; a launch
-# after convergence only forwards the state).
-NIT = 4
-# Iterations of the scalar solves: the pooled policy (float64) and the
-# float32 pooled start of the mixture solve.
-SCALAR_ITERS = 24
-START_ITERS = 8
-# A relative Halley step this small ends the mixture solve (0: never); convergence is cubic.
-CONV_TOL = 1e-4
+# Every launch choice is a field of GaussianConfig (kernels/config.py); the
+# plan and the launcher take it from the caller's KernelConfig.
 
 # ---------------------------------------------------------------------------
 # heuristics
 # ---------------------------------------------------------------------------
 
 
-# The stats launch per scoring path: without tl.dot (prefetch, pages per block, warps, stages,
-# warps per SM); with tl.dot (pages per block, warps, stages, warps per SM); chunks >= MIN_CH pages.
-STATS_TUNE = (True, 32, 1, None, 32)
-DOT_STATS_TUNE = (32, 2, 6, 16)
-MIN_CH = 128
-# Pages per program of the iteration and selection launches: the longest chunk (<= MAX_CH, keyed by
-# rows >= SMs) giving ITER_PER_SM programs per SM; the selection tests blocks of <= SEL_CH pages.
-MAX_CH = {False: 4096, True: 8192}
-ITER_PER_SM = 1.5
-ITER_WARPS = 4
-SEL_CH = 1024
-# Pages per block (one load and one register tile) of the iteration chunks;
-# each program loads its next block while it works on one.
-ITER_BLOCK = 1024
-SELECT_WARPS = 4
-
-
-def gauss_plan(M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms: int = 1) -> dict:
+def gauss_plan(c: GaussianConfig, M: int, NG: int, D: int, q_dtype, cache_dtype, rows: int = 1, sms: int = 1,
+               interpreted: Optional[bool] = None) -> dict:
     """Launch plan for ``rows`` = B*H KV rows of NG query heads, M pages.
 
     CH pages per program of the iteration and selection launches: up to
-    MAX_CH[rows * NG >= sms], halved (not below 1024) while the rows * NG
-    query-head rows would give fewer than ITER_PER_SM programs per SM.
-    CHS <= CH pages per program of the stats launch, halved (not below
-    MIN_CH) until its programs hold the tuned warps per SM: 4 x 32k GQA
-    rows are 32 rows of 2048 pages, one chunk each kept 100 of 132 SMs idle
-    (68 us; 20 us at 256 programs). The stats launch's block (SBLOCK_M pages, SNSUB blocks
-    per chunk), warps, stages and prefetch come from STATS_TUNE /
-    DOT_STATS_TUNE."""
+    c.max_ch_many (rows * NG >= sms) or c.max_ch_few, halved (not below 1024)
+    while the rows * NG query-head rows would give fewer than c.iter_per_sm
+    programs per SM. CHS <= CH pages per program of the stats launch, halved
+    (not below c.min_ch) until its programs hold the tuned warps per SM: 4 x
+    32k GQA rows are 32 rows of 2048 pages, one chunk each kept 100 of 132
+    SMs idle (68 us; 20 us at 256 programs). The stats launch's block
+    (SBLOCK_M pages, SNSUB blocks per chunk), warps, stages and prefetch come
+    from c.stats_tune / c.dot_stats_tune. ``interpreted``: plan for Triton's
+    CPU interpreter (smaller blocks); None: whether it is running."""
+    if interpreted is None:
+        interpreted = interpreting()
     cfg = score_plan(NG, D, q_dtype, cache_dtype)
     block_m = cfg["BLOCK_M"]
     if cfg["USE_DOT"]:
-        prefetch, (sbm, warps, stages, per_sm) = False, DOT_STATS_TUNE
+        prefetch, (sbm, warps, stages, per_sm) = False, c.dot_stats_tune
     else:
-        prefetch, sbm, warps, stages, per_sm = STATS_TUNE
+        prefetch, sbm, warps, stages, per_sm = c.stats_tune
     sbm = sbm or block_m
     if stages is not None:  # pipelined k_mean / k_std blocks within 128 KB of shared memory
         per_stage = 2 * sbm * cfg["BLOCK_D"] * cache_dtype.itemsize
         stages = max(2, min(stages, (128 << 10) // per_stage))
-    if interpreting():
+    if interpreted:
         sbm = min(sbm, 64)
     many = rows * NG >= sms
-    ch = max(block_m, sbm, min(256 if interpreting() else MAX_CH[many], next_pow2(M)))
-    while ch > max(block_m, sbm, 1024) and rows * NG * cdiv(M, ch) < ITER_PER_SM * sms:
+    ch = max(block_m, sbm, min(256 if interpreted else (c.max_ch_many if many else c.max_ch_few), next_pow2(M)))
+    while ch > max(block_m, sbm, 1024) and rows * NG * cdiv(M, ch) < c.iter_per_sm * sms:
         ch //= 2
     chs = ch
-    while chs > max(sbm, MIN_CH) and rows * cdiv(M, chs) * warps < per_sm * sms:
+    while chs > max(sbm, c.min_ch) and rows * cdiv(M, chs) * warps < per_sm * sms:
         chs //= 2
     cfg.update(CH=ch, NCH=cdiv(M, ch), CHS=chs, NCS=cdiv(M, chs), SBLOCK_M=sbm, SNSUB=chs // sbm,
                SWARPS=warps, SSTAGES=stages, SPREFETCH=prefetch)
@@ -749,7 +731,9 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     M = cache.block_table.shape[1]
     R = B * HQ
     dev = q.device
-    cfg = gauss_plan(M, G, D, q.dtype, cache.dtype, B * H, num_sms(dev))
+    config = resolve(config)
+    c = config.gaussian
+    cfg = gauss_plan(c, M, G, D, q.dtype, cache.dtype, B * H, num_sms(dev))
     NCH, CH = cfg["NCH"], cfg["CH"]
     nch_p2 = next_pow2(NCH)
     smp, smh = meta_strides(cache, ("k_mean", "k_std"))
@@ -758,7 +742,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     am1, beta = float(alpha - 1.0), float(1.0 / (alpha - 1.0))
     mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
     sg = torch.empty_like(mu)
-    opts = launch_opts(dev, resolve(config).pdl)
+    opts = launch_opts(dev, config.pdl)
     NC = cfg["NCS"]
     stages = {} if cfg["SSTAGES"] is None else dict(num_stages=cfg["SSTAGES"])
     pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
@@ -775,33 +759,33 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"], PREFETCH=cfg["SPREFETCH"],
         num_warps=cfg["SWARPS"], **stages, **opts,
     )
-    nit = 0 if policy.pooled else NIT
+    nit = 0 if policy.pooled else c.nit
     # two start points only under ALiBi (see _start_kernel)
     two = slopes is not None and not policy.pooled
     state = torch.empty(max(nit, 1), R, 4, dtype=torch.float64, device=dev)
     part = torch.empty(max(nit, 1), R, NCH, 6, dtype=torch.float64, device=dev)
     _start_kernel[(R,)](
         st, state, NC, am1, beta,
-        BLOCK_C=min(1024, next_pow2(NC)), POOLED=policy.pooled, ITERS=SCALAR_ITERS, START_ITERS=START_ITERS,
+        BLOCK_C=min(1024, next_pow2(NC)), POOLED=policy.pooled, ITERS=c.scalar_iters, START_ITERS=c.start_iters,
         BETA_KIND=bk, TWO=two, num_warps=4, **opts,
     )
-    block = min(ITER_BLOCK, CH)
+    block = min(c.iter_block, CH)
     for it in range(nit):
         _iter_kernel[(R, NCH)](
             ids, cache.seq_lens, mu, sg, part, state,
             it, R, M, am1, beta,
             NCH=NCH, NCH_P2=nch_p2, CH=CH, BLOCK=block, HQ=HQ, P=P,
-            BETA_KIND=bk, FIRST=it == 0, CONV=float(CONV_TOL), TWO=two, num_warps=ITER_WARPS, **opts,
+            BETA_KIND=bk, FIRST=it == 0, CONV=float(c.conv_tol), TWO=two, num_warps=c.iter_warps, **opts,
         )
     # one block of pages per program (no partials to merge, unlike the iteration launches)
-    sel = max(16, min(CH, SEL_CH, 4096 // next_pow2(NG)))
+    sel = max(16, min(CH, c.sel_ch, 4096 // next_pow2(NG)))
     _select_kernel[(B * S, cdiv(M, sel))](
         ids, cache.seq_lens, mu, sg, part, state, z_table(policy.q_max, P, dev),
         pages, counts, tau_hat,
         R, M, am1, beta, float(policy.margin), int(policy.sinks), int(policy.window),
         NCH=NCH, NCH_P2=nch_p2, BLOCK=sel,
-        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(CONV_TOL), TWO=two,
-        num_warps=SELECT_WARPS,
+        HQ=HQ, S=S, NG=NG, BLOCK_G=next_pow2(NG), P=P, NIT=nit, CONV=float(c.conv_tol), TWO=two,
+        num_warps=c.select_warps,
         **opts,
     )
     return Selection(pages, counts, tau_hat)

@@ -13,7 +13,7 @@ max(budget // P, forced) best pages. No sort and no torch.topk:
    the rank keys of a block of pages for a group of heads per step, from
    contiguous reads of their k_min/k_max (packed cache layout), written to a
    [B*S, NCH*CH] key table; then ``_gmax_kernel`` (grid B*S x group blocks):
-   the largest key of each of about GMAX_GROUPS page groups per row. The K-th
+   the largest key of each of about gmax_groups (TopKConfig) page groups per row. The K-th
    largest group maximum lb is a lower bound on the row's K-th key (the
    pre-filter); ``_lb_kernel`` (grid B*S) finds it once per row.
 1. ``_chunk_kernel`` (grid B*S x NCH): otherwise scores CH pages
@@ -27,7 +27,7 @@ max(budget // P, forced) best pages. No sort and no torch.topk:
    NCH * K candidate slots of a row (held in registers when they fit), then
    the kept pages in any order (the Selection contract allows unsorted pages).
 
-For widths up to ROWSEL_MAX_W (except short rows with small budgets when
+For widths up to rowsel_max_w (except short rows with small budgets when
 there are at least as many rows as SMs: ``use_rowsel``)
 one ``_rowsel_kernel`` program per row (grid B*S) replaces steps 0's
 _lb_kernel, 1 and 2: it finds lb from the group maxima, reads only the keys
@@ -35,7 +35,7 @@ of the groups whose maximum reaches lb and selects among those >= lb
 (``launch_rowsel``).
 
 The overlapped selection (``use_overlap``: batch >= 2, rows of at most
-OVERLAP_MAX_KEYS key slots, PDL): _keys_kernel runs in batch order and
+overlap_max_keys key slots, PDL): _keys_kernel runs in batch order and
 raises a counter per batch row as its chunks are stored, and
 _rowsel_kernel, launched without waiting for it, polls its batch row's
 counter and takes the row's group maxima itself (no _gmax_kernel), so the
@@ -53,86 +53,23 @@ import triton
 import triton.language as tl
 
 from ...types import Pending, Selection
-from ..config import resolve
+from ..config import TopKConfig, resolve
 from .._common import (as_slopes, cdiv, grid_ids, interpreting, launch_count, launch_opts, next_pow2, num_sms,
                       pdl_start, poll_start, publish, store_b32)
 from ..scoring import load_queries, meta_strides, page_bounds, page_rows, prep_query, score_plan
 
 INT32_MIN = tl.constexpr(-2147483648)
 INF_KEY = tl.constexpr(0x7F800000)  # sortable_key(+inf): forced pages
-# Score all heads of a page in one program when there is one query head per KV
-# head (tests switch it off to cover the per-head path on MHA shapes too).
-ALL_HEADS = True
-# Warps of _chunk_kernel when the keys are ready (the bisection is ALU-bound:
-# fewer warps per chunk = less reduction overhead per key).
-SELECT_WARPS = 4
-# Largest chunk (pages) of _chunk_kernel when the keys are ready.
-SELECT_CH = 4096
-# Pre-filter each chunk with a lower bound on its row's K-th key from group
-# maxima of the key table (the all-heads path); tests switch it off.
-PREFILTER = True
-# Groups per row behind the pre-filter's lower bound (_lb_kernel finds the
-# k-th largest of them: more groups, a tighter bound, a longer search).
-GMAX_GROUPS = 512
-# Keys per _gmax_kernel program and its warps (8192 keys, 4 or 8 warps: the
-# same or slower in whole steps, experiments/logs/rowsel.log section 10).
-GMAX_KEYS = 4096
-GMAX_WARPS = 4
-# _keys_kernel stores its keys in the layout they are computed in.
-KEYS_AS_IS = True
-# Pages per _keys_kernel program.
-KEYS_CH = 32
-# Chunk kernel settings when it scores its own pages (GQA, per-query-head):
-# programs per SM the chunk size aims for, pipeline stages, and overrides of
-# the warps / page block (0: from the shapes), for sweeps.
-CHUNK_PROGS = 2
-CHUNK_STAGES = 3
-CHUNK_WARPS = 0
-CHUNK_BLOCK_M = 0
-# keys_plan overrides (BLOCK_M, KCH, HG, WARPS), for sweeps.
-KEYS_TUNE: dict = {}
-# Warps of _lb_kernel (its search over ~512 maxima is latency-bound: one
-# warp reduces with shuffles only).
-LB_WARPS = 1
-# Thresholds per round of _lb_kernel's search and its early stop (kth_largest_nt's E; -1: exact).
-LB_NT = 4
-LB_E = 4
-# Candidates of a row the merge keeps in registers (8 warps: 64 keys + pages per thread).
-MERGE_REGS = 16384
-# One _rowsel_kernel program per row instead of the lb / chunk / merge chain, for widths up to
-# ROWSEL_MAX_W pages (use_rowsel); then its warps (0: by row count), keys per step, groups per kept
-# page, largest / smallest group, thresholds per round, final-tile candidates, one-tile keys.
-ROWSEL = True
-ROWSEL_MAX_W = 512
-ROWSEL_MIN_PAGES = 8192
-ROWSEL_CHAIN_W = 64
-ROWSEL_WARPS = 0
-ROWSEL_BLK = 1024
-ROWSEL_GROUPS_PER_PAGE = 16
-ROWSEL_GS = 32
-ROWSEL_MIN_GS = 16
-ROWSEL_NT = 4
-ROWSEL_SMALL = 512
-ROWSEL_ONE = 8192
-# Rows whose one tile (<= ROWSEL_FEW_TILE keys) holds <= ROWSEL_FEW keys >= lb past the budget
-# are cut from below in registers instead of through the candidate buffer (-1: never).
-ROWSEL_FEW = 8
-ROWSEL_FEW_TILE = 4096
-# _rowsel_kernel's lb search stops once at most k_row + ROWSEL_E group maxima reach it (-1: exact).
-ROWSEL_E = 0
-# The overlapped selection (use_overlap): the keys pass raises a counter per batch row and
-# _rowsel_kernel, launched without waiting, polls it (at most OVERLAP_POLLS loads) and selects.
-OVERLAP = True
-OVERLAP_MIN_BATCH = 2
-OVERLAP_MAX_KEYS = 32768
-OVERLAP_POLLS = 1 << 20
+# (INT32_MIN, INF_KEY: read inside jit functions, so fixed at compile time)
+# Every launch choice is a field of TopKConfig (kernels/config.py); the plan
+# functions and launchers below take it from the caller's KernelConfig.
 
 # ---------------------------------------------------------------------------
 # heuristics
 # ---------------------------------------------------------------------------
 
 
-def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, sms: int,
+def topk_plan(c: TopKConfig, M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, sms: int,
               cap: int = 4096) -> dict:
     """Chunk size: as large as possible (up to 4096 pages), so that the
     bisection of a chunk is short next to its metadata read and the merge has
@@ -143,26 +80,26 @@ def topk_plan(M: int, K: int, NG: int, D: int, q_dtype, cache_dtype, rows: int, 
         # kernel holds its keys too (experiments/logs/tune_select.log, GQA 4 x 128k /
         # 512k selection 71.5 -> 59.1 / 187.8 -> 161.8 us)
         cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], 4096 // cfg["BLOCK_D"]))
-    if CHUNK_BLOCK_M:
-        cfg["BLOCK_M"] = CHUNK_BLOCK_M
+    if c.chunk_block_m:
+        cfg["BLOCK_M"] = c.chunk_block_m
     block_m = cfg["BLOCK_M"]
     cap = 256 if interpreting() else cap
     ch = max(block_m, min(cap, next_pow2(M)))
     floor = max(block_m, min(ch, 1024, next_pow2(4 * K)))
-    while ch > floor and rows * cdiv(M, ch) < CHUNK_PROGS * sms:
+    while ch > floor and rows * cdiv(M, ch) < c.chunk_progs * sms:
         ch //= 2
     # 4 warps on the tl.dot path at any chunk size (8 warps with 32-page
     # blocks: 242 vs 162 us at GQA 4 x 512k, experiments/logs/tune_select.log)
     warps = 4 if cfg["USE_DOT"] or ch < 2048 else 8
-    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch), WARPS=CHUNK_WARPS or warps,
-               STAGES=CHUNK_STAGES)
+    cfg.update(CH=ch, NSUB=ch // block_m, NCH=cdiv(M, ch), WARPS=c.chunk_warps or warps,
+               STAGES=c.chunk_stages)
     return cfg
 
 
-def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
+def keys_plan(c: TopKConfig, B: int, MK: int, H: int, D: int, sms: int) -> dict:
     """_keys_kernel blocks: BLOCK_M pages x HG heads per step (about 16K
-    values in registers), KEYS_CH pages per program (many short programs:
-    a small last wave; experiments/logs/tune_keys.log). ``KEYS_TUNE``
+    values in registers), c.keys_ch pages per program (many short programs:
+    a small last wave; experiments/logs/tune_keys.log). ``c.keys_tune``
     (benchmarks/tune_keys.py) overrides any entry."""
     hp = next_pow2(H)
     hg = H & -H  # the largest power of two dividing H: unmasked contiguous runs
@@ -172,9 +109,9 @@ def keys_plan(B: int, MK: int, H: int, D: int, sms: int) -> dict:
     block_m = max(1, min(32, 16384 // per_page))
     if interpreting():
         block_m = min(block_m, 16)
-    plan = dict(BLOCK_M=block_m, KCH=max(block_m, KEYS_CH), HG=hg,
+    plan = dict(BLOCK_M=block_m, KCH=max(block_m, c.keys_ch), HG=hg,
                 WARPS=8 if block_m * per_page >= 8192 else 4)
-    plan.update(KEYS_TUNE)
+    plan.update(dict(c.keys_tune))
     return plan
 
 
@@ -315,7 +252,7 @@ def _keys_chunk(
     AS_IS: tl.constexpr,
 ):
     """_keys_kernel's work for batch row i_b and page chunk i_c (a helper, so
-    that a persistent grid can loop over chunks: benchmarks/overlap_proto.py)."""
+    that a persistent grid could loop over chunks)."""
     KCH: tl.constexpr = NSUB * BLOCK_M
     NHG: tl.constexpr = (H + HG - 1) // HG
     NSTEP: tl.constexpr = NSUB * NHG
@@ -387,7 +324,7 @@ def _keys_kernel(
     MK = NCH * CH), in the layout _chunk_kernel reads with KEYS_READY.
     Grid (B, chunks); with PUBLISH (chunks, B), so that programs start in
     batch order, each raising int32 cnt[b] by one once its keys are stored
-    (the overlapped selection, OVERLAP)."""
+    (the overlapped selection, TopKConfig.overlap)."""
     pdl_start(PDL)
     i_b, i_c = grid_ids(PUBLISH)
     _keys_chunk(q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr, i_b, i_c,
@@ -688,7 +625,7 @@ def _select_row(
     cache modifier CACHE), group maxima row g_row of gmax_ptr, scratch p_gl
     (NKP_P2 slots) and p_ck / p_cp (CAP slots); stores the kept pages at
     p_out[0:n] and returns n (a helper, so that another kernel can select
-    a row too: benchmarks/overlap_proto.py)."""
+    a row too)."""
     # -- lb and the list of groups that can hold a kept page
     o_p, b_gm, lb = _group_lb(gmax_ptr, g_row, NKP, k_row, NKP_P2, NT, E)
     m_g = (b_gm >= lb) & (b_gm > INT32_MIN)
@@ -808,7 +745,7 @@ def _rowsel_kernel(
     itself and reads the keys past L1.
     READY: then raise ready[row] (int32, zeroed by the caller) to 1 once the
     row's pages and count are stored, for an attention launch that polls
-    it (attention.POLL_READY) instead of waiting for this whole grid."""
+    it (AttentionConfig.poll_ready) instead of waiting for this whole grid."""
     i_r = tl.program_id(0).to(tl.int64)
     if POLL:
         # not pdl_start: this launch may begin before the keys pass ends (it is
@@ -835,7 +772,8 @@ def _rowsel_kernel(
 
 
 def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, window: int,
-                k_pages: int, *, has_alibi: bool, cnt: Optional[torch.Tensor] = None, pdl: bool = True) -> dict:
+                k_pages: int, *, has_alibi: bool, c: TopKConfig, cnt: Optional[torch.Tensor] = None,
+                pdl: bool = True) -> dict:
     """Launch _keys_kernel (one query head per KV head): rank keys of every
     page and head into ``keys`` [B * H * MK] int32 and, when ``ub`` is given,
     the certified bounds into it. ``sl``: as_slopes output; ``ids``: int32
@@ -847,7 +785,7 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
     H, P = cache.kv_heads, cache.page_size
     M = cache.block_table.shape[1]
     smp, smh = meta_strides(cache)
-    kp = keys_plan(B, MK, H, D, num_sms(q.device))
+    kp = keys_plan(c, B, MK, H, D, num_sms(q.device))
     opts = launch_opts(q.device, pdl)
     nchk = cdiv(MK, kp["KCH"])
     _keys_kernel[(nchk, B) if cnt is not None else (B, nchk)](
@@ -856,7 +794,7 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
         M, MK, int(sinks), int(window), k_pages,
         H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
         BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
-        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, AS_IS=KEYS_AS_IS,
+        HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, AS_IS=c.keys_as_is,
         cnt_ptr=cnt if cnt is not None else keys, PUBLISH=cnt is not None, num_warps=kp["WARPS"], **opts,
     )
     return kp
@@ -869,59 +807,60 @@ def gmax_groups(MK: int, CH: int, groups: int) -> Tuple[int, int]:
     return MK // gs, gs
 
 
-def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, opts: dict,
+def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, opts: dict, c: TopKConfig,
                 ready: Optional[torch.Tensor] = None):
     """_gmax_kernel over a [rows, MK] key table: the largest key of each of
     about ``groups`` groups per row (gmax_groups); ``ready``: int32 [2, rows]
     counters to zero on the way, or None.
     Returns (gmax int32 [rows * NKP], NKP, group size)."""
     NKP, gs = gmax_groups(MK, CH, groups)
-    gb = max(1, GMAX_KEYS // gs)
+    gb = max(1, c.gmax_keys // gs)
     gmax = torch.empty(rows * NKP, dtype=torch.int32, device=keys.device)
     _gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, ready if ready is not None else gmax, MK, NKP, rows,
-                                        GS=gs, GB=gb, ZERO=ready is not None, num_warps=GMAX_WARPS, **opts)
+                                        GS=gs, GB=gb, ZERO=ready is not None, num_warps=c.gmax_warps, **opts)
     return gmax, NKP, gs
 
 
-def use_rowsel(W: int, MK: int, rows: int, sms: int) -> bool:
+def use_rowsel(c: TopKConfig, W: int, MK: int, rows: int, sms: int) -> bool:
     """Whether a pre-filtered selection of W pages from rows of MK key slots
     (B*S = rows of them) takes _rowsel_kernel rather than the chunked chain
     (shapes only, so the choice is the same at every replay)."""
-    if not ROWSEL or next_pow2(W) > ROWSEL_MAX_W:
+    if not c.rowsel or next_pow2(W) > c.rowsel_max_w:
         return False
-    return MK >= ROWSEL_MIN_PAGES or rows < sms or W > ROWSEL_CHAIN_W
+    return MK >= c.rowsel_min_pages or rows < sms or W > c.rowsel_chain_w
 
 
-def use_overlap(B: int, W: int, MK: int, pdl: bool) -> bool:
+def use_overlap(c: TopKConfig, B: int, W: int, MK: int, pdl: bool) -> bool:
     """Whether a pre-filtered selection of W pages from B batch rows of MK
-    key slots is overlapped with the keys pass (OVERLAP; ``pdl``: the
-    launches are PDL launches, without which there is nothing to overlap).
-    Shapes only, so the choice is the same at every replay."""
-    return (OVERLAP and ROWSEL and pdl and next_pow2(W) <= ROWSEL_MAX_W and B >= OVERLAP_MIN_BATCH
-            and MK <= OVERLAP_MAX_KEYS)
+    key slots is overlapped with the keys pass (c.overlap; ``pdl``: the
+    launches are PDL launches, without which there is nothing to overlap,
+    unless c.overlap_needs_pdl is off). Shapes and ``c`` only, so the choice
+    is the same at every replay."""
+    return (c.overlap and c.rowsel and (pdl or not c.overlap_needs_pdl) and next_pow2(W) <= c.rowsel_max_w
+            and B >= c.overlap_min_batch and MK <= c.overlap_max_keys)
 
 
-def rowsel_plan(MK: int, CH: int, W: int) -> Tuple[int, int, dict]:
+def rowsel_plan(c: TopKConfig, MK: int, CH: int, W: int) -> Tuple[int, int, dict]:
     """_rowsel_kernel's shapes for rows of MK key slots (CH pages per key
     chunk) and a selection W pages wide: (the group count asked of
     gmax_groups, NKP groups, constexprs: GS keys per group, NKP_P2 group
     list slots, GB groups per step of the general loop, a CAP-slot candidate
     buffer and SMALL-slot short tile, the one tile's ONE_G groups and FEW
     rule, GT groups per step of a program's own group maxima)."""
-    groups = min(max(GMAX_GROUPS, ROWSEL_GROUPS_PER_PAGE * next_pow2(W), MK // ROWSEL_GS),
-                 max(GMAX_GROUPS, MK // ROWSEL_MIN_GS))
+    groups = min(max(c.gmax_groups, c.rowsel_groups_per_page * next_pow2(W), MK // c.rowsel_gs),
+                 max(c.gmax_groups, MK // c.rowsel_min_gs))
     NKP, gs = gmax_groups(MK, CH, groups)
-    blk = max(ROWSEL_BLK, gs)
+    blk = max(c.rowsel_blk, gs)
     cap = next_pow2(blk + next_pow2(W))
-    one_g = max(1, min(next_pow2(W), ROWSEL_ONE // gs))
-    return groups, NKP, dict(GS=gs, NKP_P2=next_pow2(NKP), GB=blk // gs, CAP=cap, SMALL=min(cap, ROWSEL_SMALL),
-                             ONE_G=one_g, FEW=ROWSEL_FEW if one_g * gs <= ROWSEL_FEW_TILE else -1,
-                             GT=max(1, GMAX_KEYS // gs))
+    one_g = max(1, min(next_pow2(W), c.rowsel_one // gs))
+    return groups, NKP, dict(GS=gs, NKP_P2=next_pow2(NKP), GB=blk // gs, CAP=cap, SMALL=min(cap, c.rowsel_small),
+                             ONE_G=one_g, FEW=c.rowsel_few if one_g * gs <= c.rowsel_few_tile else -1,
+                             GT=max(1, c.gmax_keys // gs))
 
 
 def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
                   pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
-                  P: int, *, cnt: Optional[torch.Tensor] = None, nchk: int = 0,
+                  P: int, *, c: TopKConfig, cnt: Optional[torch.Tensor] = None, nchk: int = 0,
                   ready: Optional[torch.Tensor] = None, pdl: bool = True) -> tuple:
     """A whole selection from a key table: _gmax_kernel, then one
     _rowsel_kernel program per row. keys: int32 [B * S * MK] (row b * S + s,
@@ -936,9 +875,9 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     launch's scratch tensors (Pending.hold)."""
     B, S, W = pages.shape
     opts = launch_opts(keys.device, pdl)
-    groups, NKP, rp = rowsel_plan(MK, CH, W)
+    groups, NKP, rp = rowsel_plan(c, MK, CH, W)
     if cnt is None:
-        gmax = launch_gmax(keys, B * S, MK, CH, groups, opts, ready=ready)[0]
+        gmax = launch_gmax(keys, B * S, MK, CH, groups, opts, c, ready=ready)[0]
     else:
         gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=keys.device)
     glist = torch.empty(B * S * rp["NKP_P2"], dtype=torch.int32, device=keys.device)
@@ -947,9 +886,9 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     _rowsel_kernel[(B * S,)](
         ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts, cnt if cnt is not None else counts,
         ready if ready is not None else counts, MK, NKP, W, sinks, window, k_pages, nchk,
-        S=S, P=P, NT=ROWSEL_NT, E=ROWSEL_E, POLL=cnt is not None, POLLS=OVERLAP_POLLS, READY=ready is not None,
+        S=S, P=P, NT=c.rowsel_nt, E=c.rowsel_e, POLL=cnt is not None, POLLS=c.overlap_polls, READY=ready is not None,
         **rp,
-        num_warps=ROWSEL_WARPS or (8 if B * S <= num_sms(keys.device) else 4), **opts,
+        num_warps=c.rowsel_warps or (8 if B * S <= num_sms(keys.device) else 4), **opts,
     )
     return gmax, glist, ck, cp
 
@@ -999,9 +938,11 @@ def select_topk(
     M = cache.block_table.shape[1]
     k_pages, W = topk_width(M, P, budget, sinks, window)
     dev = q.device
-    all_heads = ALL_HEADS and G == 1
-    cfg = topk_plan(M, W, NG, D, q.dtype, cache.dtype, B * S, num_sms(dev),
-                    cap=SELECT_CH if all_heads else 4096)
+    config = resolve(config)
+    c = config.topk
+    all_heads = c.all_heads and G == 1
+    cfg = topk_plan(c, M, W, NG, D, q.dtype, cache.dtype, B * S, num_sms(dev),
+                    cap=c.select_ch if all_heads else 4096)
     NCH, CH = cfg["NCH"], cfg["CH"]
     smp, smh = meta_strides(cache)
     sl = as_slopes(slopes, HQ, dev)
@@ -1011,12 +952,12 @@ def select_topk(
     MK = NCH * CH
     keys = torch.empty(B * S * MK, dtype=torch.int32, device=dev)
     write_ub = ub is not None
-    opts = launch_opts(dev, resolve(config).pdl)
-    prefilter = all_heads and PREFILTER
+    opts = launch_opts(dev, config.pdl)
+    prefilter = all_heads and c.prefilter
     # the overlapped selection (use_overlap) publishes the keys per batch row; not with the
     # certified bounds, which later launches read (they wait for the selection, not the keys pass)
-    overlap = prefilter and not write_ub and use_overlap(B, W, MK, bool(opts["PDL"]))
-    rowsel = overlap or (prefilter and use_rowsel(W, MK, B * S, num_sms(dev)))
+    overlap = prefilter and not write_ub and use_overlap(c, B, W, MK, bool(opts["PDL"]))
+    rowsel = overlap or (prefilter and use_rowsel(c, W, MK, B * S, num_sms(dev)))
     # _rowsel_kernel publishes each row (Pending.counters [2, B, S]: rows
     # selected, the attention's own). Overlapped, the counters share one zero
     # fill with the keys pass's per batch row; else _gmax_kernel zeroes them.
@@ -1028,11 +969,11 @@ def select_topk(
         ready = torch.empty(2, B, S, dtype=torch.int32, device=dev)
     if all_heads:
         kp = launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
-                         has_alibi=slopes is not None, cnt=cnt, pdl=opts["PDL"])
+                         has_alibi=slopes is not None, c=c, cnt=cnt, pdl=opts["PDL"])
     if rowsel:
         scratch = launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window),
-                                k_pages, P, cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0, ready=ready,
-                                pdl=opts["PDL"])
+                                k_pages, P, c=c, cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0,
+                                ready=ready, pdl=opts["PDL"])
         # (the attention may start while this selection, and overlapped the
         # keys pass, still read q, the slopes, ids and the key table)
         return Selection(pages, counts, pending=Pending(ready, launch_count(), (q, sl, ids, keys) + scratch))
@@ -1044,9 +985,9 @@ def select_topk(
         ck = cp = cn = keys
     lbs = torch.empty(B * S, dtype=torch.int32, device=dev)
     if prefilter:
-        gmax, NKP, _ = launch_gmax(keys, B * S, MK, CH, GMAX_GROUPS, opts)
+        gmax, NKP, _ = launch_gmax(keys, B * S, MK, CH, c.gmax_groups, opts, c)
         _lb_kernel[(B * S,)](gmax, lbs, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
-                             S=S, P=P, NKP_P2=next_pow2(NKP), NT=LB_NT, E=LB_E, num_warps=LB_WARPS, **opts)
+                             S=S, P=P, NKP_P2=next_pow2(NKP), NT=c.lb_nt, E=c.lb_e, num_warps=c.lb_warps, **opts)
     _chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
         keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
@@ -1056,11 +997,11 @@ def select_topk(
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
         HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=SELECT_WARPS if all_heads else cfg["WARPS"], num_stages=cfg["STAGES"], **opts,
+        num_warps=c.select_warps if all_heads else cfg["WARPS"], num_stages=cfg["STAGES"], **opts,
     )
     if NCH > 1:
         nch_p2 = next_pow2(NCH)
-        one_tile = nch_p2 * next_pow2(W) <= MERGE_REGS
+        one_tile = nch_p2 * next_pow2(W) <= c.merge_regs
         block_w = next_pow2(W) if one_tile else max(1, min(next_pow2(W), 8192 // nch_p2))
         _merge_kernel[(B * S,)](
             ids, cache.seq_lens, ck, cp, cn, pages, counts, lbs,
