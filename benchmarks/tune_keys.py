@@ -1,4 +1,4 @@
-"""Sweep of the all-heads Quest keys pass (``topk._keys_kernel``).
+"""Sweep of the all-heads Quest keys pass (``_topk_keys_kernel``, kernels/topk/keys.py).
 
 For each configuration, times (CUDA graph, L2 flushed, median) a plain Triton
 read of the whole k_min/k_max table (the achievable read bandwidth of the
@@ -73,7 +73,7 @@ def main(argv=None):
     ap.add_argument("--fields", default=None, metavar="NAME=V1,V2;...",
                     help="time select_topk over the product of these TopKConfig field values")
     args = ap.parse_args(argv)
-    from entmaxkv.kernels import topk as T
+    from entmaxkv.kernels.topk import launch as T
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     if args.fields:
@@ -140,14 +140,15 @@ def sweep_fields(T, args, flush):
 
 
 def time_keys(T, q, cache, ids, scale, flush, reps, c):
-    """(median ms, plan) of _keys_kernel alone, launched as select_topk launches it."""
+    """(median ms, plan) of _topk_keys_kernel alone, launched as select_topk launches it."""
     from entmaxkv.kernels._common import as_slopes, num_sms
+    from entmaxkv.kernels.topk import plan as TP
 
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
     M = cache.block_table.shape[1]
-    k_pages, W = T.topk_width(M, P, 1024, 0, 0)
-    cfg = T.topk_plan(c, M, W, 1, D, q.dtype, cache.dtype, B * H, num_sms(q.device), cap=c.select_ch)
+    k_pages, W = TP.topk_width(M, P, 1024, 0, 0)
+    cfg = TP.topk_plan(c, M, W, 1, D, q.dtype, cache.dtype, B * H, num_sms(q.device), cap=c.select_ch)
     MK = cfg["NCH"] * cfg["CH"]
     keys = torch.empty(B * H * MK, dtype=torch.int32, device=q.device)
     sl = as_slopes(None, HQ, q.device)

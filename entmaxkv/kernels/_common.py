@@ -18,6 +18,9 @@ try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
+# Module constants below are read by jit functions as globals: fixed at
+# compile time, so they are not KernelConfig fields.
+
 # Memory order of the selections' atomics (a row's page-count reservation,
 # the certificate's violation flag). Nothing in the same launch reads what
 # they order; later launches see every write at the kernel boundary. Triton's
@@ -25,7 +28,7 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 ATOMIC_SEM = tl.constexpr("relaxed")
 
 
-# Calls of launch_opts so far in this process: every function that launches
+# (Process state, not a setting.) Calls of launch_opts so far in this process: every function that launches
 # step kernels takes its options there before launching. A Selection's
 # pending counters are polled only by an attention with no such call since
 # the selection's own (launch_count, types.Pending).
@@ -145,7 +148,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Inline PTX is available (CUDA, not the interpreter nor ROCm).
+# Inline PTX is available (CUDA, not the interpreter nor ROCm); fixed at compile time.
 INLINE_PTX = tl.constexpr(not interpreting() and torch.version.hip is None)
 
 

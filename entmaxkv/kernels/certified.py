@@ -11,12 +11,12 @@ exact tau_A over it, then add every page with (alpha-1) * (u_p + slack) >
 tau_A; every page still left out satisfies the test against tau_A <= tau_A'.
 
 Kernels:
-* ``_mark_kernel``: scatters a Selection into a uint8 page mask [B, S, M]
+* ``_cert_mark_kernel``: scatters a Selection into a uint8 page mask [B, S, M]
   (union over query heads, or copy to them, when the seed's selection heads
   differ from the certified policy's).
-* ``_augment_kernel``: kept = mask | forced | (any head: (alpha-1) ub > tau),
+* ``_cert_augment_kernel``: kept = mask | forced | (any head: (alpha-1) ub > tau),
   compacted into a Selection with one atomic per block (unsorted pages).
-* ``_certify_kernel``: per query head, is any valid unselected page unsafe?
+* ``_cert_certify_kernel``: per query head, is any valid unselected page unsafe?
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from .topk import select_topk
 
 
 @triton.jit
-def _mark_kernel(pages_ptr, counts_ptr, mask_ptr, W, M,
+def _cert_mark_kernel(pages_ptr, counts_ptr, mask_ptr, W, M,
                  S_SRC: tl.constexpr, S_DST: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     i_r = tl.program_id(0)
@@ -61,7 +61,7 @@ def _mark_kernel(pages_ptr, counts_ptr, mask_ptr, W, M,
 
 
 @triton.jit
-def _augment_kernel(ubs_ptr, mask_ptr, tau_ptr, ids_ptr, lens_ptr, pages_ptr, counts_ptr,
+def _cert_augment_kernel(ubs_ptr, mask_ptr, tau_ptr, ids_ptr, lens_ptr, pages_ptr, counts_ptr,
                     am1, M, HQ, sinks, window,
                     S: tl.constexpr, NG: tl.constexpr, P: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -96,7 +96,7 @@ def _augment_kernel(ubs_ptr, mask_ptr, tau_ptr, ids_ptr, lens_ptr, pages_ptr, co
 
 
 @triton.jit
-def _certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_ptr,
+def _cert_certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_ptr,
                     am1, M, HQ,
                     S: tl.constexpr, NG: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                     SOFTMAX: tl.constexpr, HAS_SLACK: tl.constexpr, PDL: tl.constexpr):
@@ -137,7 +137,7 @@ def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True) -> torch
         return mask
     block_w = min(1024, next_pow2(W))
     opts = launch_opts(mask.device, pdl)
-    _mark_kernel[(B * S_src, triton.cdiv(W, block_w))](
+    _cert_mark_kernel[(B * S_src, triton.cdiv(W, block_w))](
         pages, counts, mask, W, M, S_SRC=S_src, S_DST=S, BLOCK_W=block_w, num_warps=4, **opts,
     )
     return mask
@@ -149,7 +149,7 @@ def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, 
     counts = torch.zeros(B, S, dtype=torch.int32, device=mask.device)  # atomic list lengths
     block_m = 256 if NG <= 4 else 64
     opts = launch_opts(mask.device, pdl)
-    _augment_kernel[(B * S, triton.cdiv(M, block_m))](
+    _cert_augment_kernel[(B * S, triton.cdiv(M, block_m))](
         ubs if ubs is not None else mask, mask, tau if tau is not None else mask, ids, cache.seq_lens,
         pages, counts,
         float(alpha - 1.0), M, HQ, int(sinks), int(window),
@@ -241,7 +241,7 @@ def certify(
     viol = torch.zeros(B * HQ, dtype=torch.int32, device=dev)
     block_m = 512
     opts = launch_opts(dev, pdl)
-    _certify_kernel[(B * HQ, triton.cdiv(M, block_m))](
+    _cert_certify_kernel[(B * HQ, triton.cdiv(M, block_m))](
         ub32, sl32, mask, tau32, lens, viol,
         float(alpha - 1.0), M, HQ,
         S=S, NG=HQ // S, P=page_size, BLOCK_M=block_m,

@@ -13,7 +13,7 @@ its query heads, reading each page's metadata once through the block table:
     var_p = scale^2 * (q^2).(kstd_p^2) + slope^2 (n_p^2 - 1) / 12
 
 The jit helpers ``page_bounds`` and ``page_gauss`` are reused by the fused
-selection kernels (topk.py, gaussian.py).
+selection kernels (topk/chain.py, gaussian/stats.py).
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def load_queries(q_ptr, slopes_ptr, i_b, h0, stride_qb, stride_qh,
 
 
 @triton.jit
-def _score_kernel(
+def _score_pages_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, ka_ptr, kb_ptr,
     o1_ptr, o2_ptr, on_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh,
@@ -312,7 +312,7 @@ def _score(q, cache, seq_ids, scale, slopes, gauss: bool, slack: bool = False):
     on = torch.empty(B, M, dtype=torch.float32, device=dev) if gauss else o1
     ka, kb = (cache.k_mean, cache.k_std) if gauss else (cache.k_min, cache.k_max)
     grid = (B * H, triton.cdiv(M, cfg["BLOCK_M"]))
-    _score_kernel[grid](
+    _score_pages_kernel[grid](
         q, sl, ids, cache.seq_lens, cache.block_table, ka, kb,
         o1, o2, on,
         float(scale), q.stride(0), q.stride(1), smp, smh,

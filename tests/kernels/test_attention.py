@@ -1,8 +1,7 @@
-"""Attention kernels (split, solve, accumulate, finish) against the reference attention."""
+"""Attention kernels (kernels/attention/: split, solve, finish, combine) against the reference attention."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -15,11 +14,11 @@ from entmaxkv import attention as RA  # noqa: E402
 from entmaxkv import policies as RP  # noqa: E402
 from entmaxkv.kernels import AttentionConfig, KernelConfig  # noqa: E402
 from entmaxkv.kernels._common import launch_count  # noqa: E402
+from entmaxkv.kernels.attention.plan import _max_share, _plan  # noqa: E402
 from entmaxkv.testing import DEVICE as DEV, KERNEL_TOL as TOL, rel_err  # noqa: E402
 from entmaxkv.testing import random_case as case  # noqa: E402
 from entmaxkv.types import Pending, Selection  # noqa: E402
 
-A = importlib.import_module("entmaxkv.kernels.attention")
 AC = AttentionConfig()
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
@@ -55,12 +54,12 @@ def test_split_loop_pipelined_only_for_dense_one_head_entmax():
     pipelined loop in the dense tests above."""
     dev = torch.device("cpu")  # 4 multiprocessors on the interpreter
     for rows, many in ((1, False), (8, True)):
-        cfg = A._plan(AC, rows, 1, 1, 32, 64, 16, dev, False, 2, dense=True)
+        cfg = _plan(AC, rows, 1, 1, 32, 64, 16, dev, False, 2, dense=True)
         _, warps, stages = AC.dense_entmax_pipe_many if many else AC.dense_entmax_pipe_few
         assert (cfg["LOOP_STAGES"], cfg["num_warps"]) == (stages, warps)
         assert cfg["LOOP_STAGES"] is not None
     for NG, softmax, dense in ((1, False, False), (1, True, True), (1, True, False), (4, False, True), (4, True, True)):
-        assert A._plan(AC, 8, 1, NG, 32, 64, 16, dev, softmax, 2, dense=dense)["LOOP_STAGES"] is None
+        assert _plan(AC, 8, 1, NG, 32, 64, 16, dev, softmax, 2, dense=dense)["LOOP_STAGES"] is None
 
 
 def _one_split_per_row(c, cache, G):
@@ -68,7 +67,7 @@ def _one_split_per_row(c, cache, G):
     factor per path), checked: the dense walk of this cache runs one split per row."""
     c = dataclasses.replace(c, split_factor=1, entmax_wave_factor=1, dot_entmax_per_sm=1)
     M, P = cache.block_table.shape[1], cache.page_size
-    assert A._plan(c, 2, cache.kv_heads, G, 16, M, P, cache.k_pages.device, False, 4, dense=True)["NSPLIT"] == 1
+    assert _plan(c, 2, cache.kv_heads, G, 16, M, P, cache.k_pages.device, False, 4, dense=True)["NSPLIT"] == 1
     return c
 
 
@@ -89,7 +88,7 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, launches):
     cache, ids, q, sl = case([2900, 61], 2, G, 16, 8, torch.float32, seed=12, key_scale=0.05)
     c = _one_split_per_row(c, cache, G)
     out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, config=_cfg(c))
-    assert ("_vacc_kernel" if vacc == "finish" else "_finish_kernel") not in launches.names()
+    assert ("_attn_vacc_kernel" if vacc == "finish" else "_attn_finish_kernel") not in launches.names()
     full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3)
     ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.3)
     assert rel_err(out, ref) < TOL[torch.float32]
@@ -100,7 +99,7 @@ def test_dense_entmax_long_splits_many_candidates(alpha, G, vacc, launches):
 @pytest.mark.parametrize("mode", ["memory", "runtime-choice"])
 @pytest.mark.parametrize("sums", ["fused", "separate"])
 def test_finish_support_from_memory_over_several_splits(alpha, mode, sums, launches):
-    """The one-launch finish (_finish_kernel) over candidate lists longer than its
+    """The one-launch finish (_attn_finish_kernel) over candidate lists longer than its
     register tile, in several splits per row: the solve from memory, the
     support compacted chunk by chunk ([NSPLIT, BLOCK_M] columns at a time)
     into slots already read, then gathered back in that order. Nearly flat
@@ -112,10 +111,10 @@ def test_finish_support_from_memory_over_several_splits(alpha, mode, sums, launc
     c = AttentionConfig(fused_sums=sums == "fused", fused_sums_interpreted=sums == "fused", finish_max_splits=128,
                         solve_in_regs=mode != "memory", solve_tile=64)
     cache, ids, q, _ = case([300, 40], 2, 1, 16, 4, torch.float32, seed=17, key_scale=0.005)
-    cfg = A._plan(c, 2, 2, 1, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
+    cfg = _plan(c, 2, 2, 1, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
     assert cfg["NSPLIT"] >= 2 and 300 // cfg["NSPLIT"] > 2 * 32
     out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, config=_cfg(c))
-    assert "_finish_kernel" in launches.names() and "_vacc_kernel" not in launches.names()
+    assert "_attn_finish_kernel" in launches.names() and "_attn_vacc_kernel" not in launches.names()
     full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3)
     ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.3)
     assert rel_err(out, ref) < TOL[torch.float32]
@@ -132,7 +131,7 @@ def test_finish_launch_rule(G, want, launches):
     faster); lists that always fit take the one launch on both."""
     c0 = AttentionConfig(finish_max_splits=1)
     cache, ids, q, _ = case([300, 40], 2, G, 16, 4, torch.float32, seed=17, key_scale=0.005)
-    cfg = A._plan(c0, 2, 2, G, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
+    cfg = _plan(c0, 2, 2, G, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
     assert cfg["NSPLIT"] >= 2 and cfg["USE_DOT"] == (G > 1)
     full = RP.select(Full(), q, cache, ids, alpha=1.5, scale=0.3)
     ref, _ = RA.attend(q.double(), cache, ids, full, alpha=1.5, scale=0.3)
@@ -141,7 +140,7 @@ def test_finish_launch_rule(G, want, launches):
         out, _ = K.dense_attend(q, cache, ids, alpha=1.5, scale=0.3,
                                 config=_cfg(dataclasses.replace(c0, solve_tile=tile)))
         ran = launches.names()
-        assert ("_finish_kernel" in ran) == (path == "one") and ("_vacc_kernel" in ran) == (path == "three")
+        assert ("_attn_finish_kernel" in ran) == (path == "one") and ("_attn_vacc_kernel" in ran) == (path == "three")
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
@@ -181,7 +180,7 @@ def test_entmax_bound_update_modes(lb_mode, alpha, G, fold):
                                      "memory-finish"])
 def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q, variant, launches):
     """Pages in any order; entries past counts are ignored whatever they hold.
-    Entmax finishes in one launch (_finish_kernel, these lists are short), or
+    Entmax finishes in one launch (_attn_finish_kernel, these lists are short), or
     (switched off) in three: the tau solve over candidates held in registers
     or (switched off too) reloaded from memory at every step, then the V pass
     and the combine; or in one launch solving from memory. The split kernel
@@ -207,7 +206,7 @@ def test_attend_unsorted_selection_with_garbage_padding(alpha, per_q, variant, l
             counts[b, s] = k
     out, tau = _attend_vs_reference(q, cache, ids, pages, counts, alpha, sl, _cfg(c))
     if alpha != 1.0:  # (softmax takes neither)
-        assert ("_vacc_kernel" if one else "_finish_kernel") not in launches.names()
+        assert ("_attn_vacc_kernel" if one else "_attn_finish_kernel") not in launches.names()
     empty = (counts.repeat_interleave(H * G // S, dim=1) == 0).to(DEV)
     assert torch.isinf(tau[empty]).all() and (out[empty] == 0).all()  # no kept token: zeros, tau = +inf
 
@@ -228,7 +227,7 @@ def _attend_vs_reference(q, cache, ids, pages, counts, alpha, sl, config=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("G,D,P,per_q", [(1, 16, 4, False), (3, 40, 8, False), (2, 24, 2, True)])
 def test_attend_short_selection_finish_launch(alpha, dtype, G, D, P, per_q, launches):
-    """A top-k-sized selection finishes in _finish_kernel (no _solve, _vacc
+    """A top-k-sized selection finishes in _attn_finish_kernel (no _solve, _vacc
     or _combine launch), over nearly flat keys: the support holds most kept
     tokens, so its compaction runs several 16-token V blocks on some rows;
     one row keeps no page (zeros, tau = +inf), another keeps one. With the
@@ -264,8 +263,8 @@ def test_attend_short_selection_finish_launch(alpha, dtype, G, D, P, per_q, laun
     assert rel_err(out2, ref2) < TOL[dtype]
     assert (tau2.double() - rtau2).abs().max() < 1e-5
     ran = launches.names()
-    assert ran.count("_finish_kernel") == 2
-    assert not {"_solve_kernel", "_vacc_kernel", "_combine_kernel"} & set(ran)
+    assert ran.count("_attn_finish_kernel") == 2
+    assert not {"_attn_solve_kernel", "_attn_vacc_kernel", "_attn_combine_kernel"} & set(ran)
 
 
 @pytest.mark.parametrize("min_tokens", [16, 60], ids=["4-pages", "15-pages"])
@@ -279,7 +278,7 @@ def test_attend_one_head_list_min_split_share(min_tokens, alpha):
     H, P, lens = 3, 4, [700, 300, 45]
     cache, ids, q, sl = case(lens, H, 1, 16, P, torch.float32, seed=9, slopes=True)
     W = 120
-    cfg = A._plan(c, 3, H, 1, 16, W, P, q.device, False, 4, dense=False)
+    cfg = _plan(c, 3, H, 1, 16, W, P, q.device, False, 4, dense=False)
     assert cfg["NSPLIT"] >= 3 and cfg["MIN_PER"] == min_tokens // P
     gen = torch.Generator().manual_seed(11)
     pages = torch.randint(0, cache.block_table.shape[1], (3, H, W), generator=gen, dtype=torch.int32)
@@ -298,7 +297,7 @@ def test_candidate_room_covers_every_split_share():
     pages than that, whatever the count (brute force over every count)."""
     for W, nsplit, min_per in [(1, 1, 0), (100, 3, 0), (100, 6, 4), (2048, 6, 512), (3000, 44, 32), (77, 5, 16)]:
         worst = max(-(-c // (min(max(c // min_per, 1), nsplit) if min_per else nsplit)) for c in range(W + 1))
-        assert worst <= A._max_share(W, nsplit, min_per) <= max(worst, -(-W // nsplit)), (W, nsplit, min_per)
+        assert worst <= _max_share(W, nsplit, min_per) <= max(worst, -(-W // nsplit)), (W, nsplit, min_per)
 
 
 def test_float64_query_runs_in_float32():
@@ -309,7 +308,9 @@ def test_float64_query_runs_in_float32():
     assert out.dtype == torch.float64 and rel_err(out, ref) < 1e-5
 
 
-_WATCHED = ("_split_kernel", "_finish_kernel", "_combine_kernel", "_solve_kernel")
+_WATCHED = ("_attn_split_softmax_kernel", "_attn_split_entmax_kernel", "_attn_finish_kernel", "_attn_combine_kernel",
+            "_attn_solve_kernel")
+_SPLIT = {1.0: "_attn_split_softmax_kernel"}
 
 
 def _watched(launches):
@@ -326,7 +327,7 @@ def test_attend_ready(alpha, G, finish, published, launches):
     """attend right after a selection that may still run (Selection.pending,
     poll_ready): the split programs wait for their row's counters[0]; with
     one query head per selection row and two launches they count into
-    counters[1] and the finishing launch (_finish_kernel, or _combine_kernel
+    counters[1] and the finishing launch (_attn_finish_kernel, or _attn_combine_kernel
     for softmax) waits for each row's NSPLIT; otherwise (GQA rows, the
     three entmax launches) counters[1] is left alone. Rows never published
     (the polls give up after poll_polls = 3 loads; without PDL the
@@ -350,10 +351,11 @@ def test_attend_ready(alpha, G, finish, published, launches):
     assert torch.equal(out, plain) and torch.equal(tau, tau0)
     seen = _watched(launches)
     two = G == 1 and (alpha == 1.0 or finish)  # both launches poll
-    assert seen[0][:2] == ("_split_kernel", 2 if two else 1)
+    split = _SPLIT.get(alpha, "_attn_split_entmax_kernel")
+    assert seen[0][:2] == (split, 2 if two else 1)
     last = seen[-1]
     if two:
-        assert last[0] == ("_combine_kernel" if alpha == 1.0 else "_finish_kernel") and last[1] is True
+        assert last[0] == ("_attn_combine_kernel" if alpha == 1.0 else "_attn_finish_kernel") and last[1] is True
         assert bool((last[3] == last[2]).all()), last  # every split program counted in
         assert bool((ready[1] == last[2]).all())
     else:
@@ -365,7 +367,7 @@ def test_attend_ready(alpha, G, finish, published, launches):
     # not again: the attention above was a launch after the selection
     launches.clear()
     again, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl, config=_cfg(c))
-    assert torch.equal(again, plain) and _watched(launches)[0][:2] == ("_split_kernel", 0)
+    assert torch.equal(again, plain) and _watched(launches)[0][:2] == (split, 0)
     # a select between, poll_ready off, or a selection wider than
     # poll_max_tokens (25 pages of 8 here): no polling either
     for variant in ("between", "off", "wide"):
@@ -375,7 +377,7 @@ def test_attend_ready(alpha, G, finish, published, launches):
         cv = dataclasses.replace(c, poll_ready=variant != "off", poll_max_tokens=199 if variant == "wide" else 200)
         launches.clear()
         again, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl, config=_cfg(cv))
-        assert torch.equal(again, plain) and _watched(launches)[0][:2] == ("_split_kernel", 0), variant
+        assert torch.equal(again, plain) and _watched(launches)[0][:2] == (split, 0), variant
     bad = Selection(ref.pages, ref.counts, pending=Pending(ready[:1], launch_count()))
     with pytest.raises(ValueError, match="pending"):
         K.attend(q, cache, ids, bad, alpha=alpha, scale=0.3, config=_cfg(c))

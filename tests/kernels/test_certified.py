@@ -50,7 +50,7 @@ def test_certified_select_and_certificate(seed_policy, per_q, alpha):
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_certified_topk_seed_one_query_head_per_kv_head(alpha):
-    """MHA: the seed's bounds + slack come from the all-heads _keys_kernel."""
+    """MHA: the seed's bounds + slack come from the all-heads _topk_keys_kernel."""
     cache, ids, q, sl = case([260, 45], 3, 1, 24, 4, torch.float16, seed=13, key_scale=2.0, slopes=True)
     pol = Certified(seed=TopK(24), window=1)
     sel = K.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)

@@ -16,7 +16,7 @@ from entmaxkv.kernels import GaussianConfig, KernelConfig  # noqa: E402
 from entmaxkv.testing import page_sets, tau_hat_oracle  # noqa: E402
 from entmaxkv.testing import random_case as case  # noqa: E402
 
-gk = importlib.import_module("entmaxkv.kernels.gaussian")
+gk = importlib.import_module("entmaxkv.kernels.gaussian.plan")
 GC = GaussianConfig()
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
@@ -53,7 +53,7 @@ def test_gaussian_select_several_blocks_per_chunk(slopes, launches):
     cfg = gk.gauss_plan(c, 113, 2, 16, torch.float32, torch.float32, rows=4, sms=4)
     assert cfg["CH"] >= 64  # so the iteration launches loop over >= 4 blocks
     _check_gaussian_select(1.5, False, False, slopes, c=c)
-    iters = [k for n, _, k, _ in launches if n == "_iter_kernel"]
+    iters = [k for n, _, k, _ in launches if n == "_gauss_iter_kernel"]
     assert len(iters) == c.nit and all(k["BLOCK"] == 16 and k["CH"] >= 64 for k in iters)
 
 

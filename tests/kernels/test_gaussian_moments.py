@@ -1,6 +1,6 @@
 """The Triton Gaussian selector's float32 moments and its tau_hat deep in the tail.
 
-``entmaxkv.kernels.gaussian._gauss_terms`` evaluates the truncated moments of
+``entmaxkv.kernels.gaussian.moments._gauss_terms`` evaluates the truncated moments of
 every page in float32 (float64 only for the pooled scalar solve). The
 textbook closed forms in Phi(t), phi(t) cancel for t << 0, which is where
 tau_hat sits at long context, so these tests compare
@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 
 import entmaxkv.kernels as K  # noqa: E402
 
-GK = importlib.import_module("entmaxkv.kernels.gaussian")
+GK = importlib.import_module("entmaxkv.kernels.gaussian.moments")
 
 from entmaxkv import Gaussian  # noqa: E402
 from entmaxkv.gaussian import normal_pdf, pooled_moments, solve_tau_hat, truncated_power_moment  # noqa: E402

@@ -1,4 +1,4 @@
-"""Top-k selection kernels (keys, row selection, chains) against the reference policy."""
+"""Top-k selection kernels (kernels/topk/: keys, chain, row selection) against the reference policy."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +21,8 @@ from entmaxkv.testing import DEVICE as DEV, page_sets, rel_err  # noqa: E402
 from entmaxkv.testing import random_case as case  # noqa: E402
 from entmaxkv.types import Selection  # noqa: E402
 
-tk = importlib.import_module("entmaxkv.kernels.topk")
+tk = importlib.import_module("entmaxkv.kernels.topk.launch")
+tp = importlib.import_module("entmaxkv.kernels.topk.plan")
 TC = TopKConfig()
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
@@ -33,9 +34,9 @@ def _cfg(c: TopKConfig) -> KernelConfig:
 
 
 def _rowsel_calls(launches):
-    """(cnt, nchk) of every _rowsel_kernel launch: the keys pass's counters it
+    """(cnt, nchk) of every _topk_rowsel_kernel launch: the keys pass's counters it
     polled (None: it did not poll) and the count it waited for."""
-    return [(a[9] if k["POLL"] else None, a[17]) for n, a, k, _ in launches if n == "_rowsel_kernel"]
+    return [(a[9] if k["POLL"] else None, a[17]) for n, a, k, _ in launches if n == "_topk_rowsel_kernel"]
 
 
 # selection
@@ -53,7 +54,7 @@ def test_topk_select_matches_reference(policy, P, lens, merge, launches):
     c = TopKConfig(merge_regs=1 if merge == "loop" else TC.merge_regs)
     cache, ids, q, sl = case(lens, 2, 3, 16, P, torch.float16, seed=6, slopes=True)
     sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=_cfg(c))
-    merges = [k["ONE_TILE"] for n, _, k, _ in launches if n == "_merge_kernel"]
+    merges = [k["ONE_TILE"] for n, _, k, _ in launches if n == "_topk_merge_kernel"]
     assert merges and all(one == (merge == "regs") for one in merges)
     ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     assert sel.pages.shape == ref.pages.shape
@@ -67,15 +68,15 @@ def test_topk_select_matches_reference(policy, P, lens, merge, launches):
 ], ids=["f16-h3-alibi", "bf16-h5", "f32-h2-p1-alibi"])
 @pytest.mark.parametrize("all_heads", [True, "rowsel", False], ids=["all-heads", "all-heads-rowsel", "per-head"])
 def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_heads, launches):
-    """MHA (G = 1): _keys_kernel scores every head of a page in one program
+    """MHA (G = 1): _topk_keys_kernel scores every head of a page in one program
     (odd head counts pad to a power of two), then the chunked chain or
-    (rowsel, forced sink / window pages among the keys) _rowsel_kernel; the
+    (rowsel, forced sink / window pages among the keys) _topk_rowsel_kernel; the
     per-head path must agree."""
     c = TopKConfig(all_heads=bool(all_heads), rowsel=all_heads == "rowsel", rowsel_min_pages=0)
     cache, ids, q, sl = case([700, 3, 1100], H, 1, D, P, dtype, seed=9, slopes=slopes)
     sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=_cfg(c))
     ran = launches.names()
-    assert ("_keys_kernel" in ran) == bool(all_heads) and ("_rowsel_kernel" in ran) == (all_heads == "rowsel")
+    assert ("_topk_keys_kernel" in ran) == bool(all_heads) and ("_topk_rowsel_kernel" in ran) == (all_heads == "rowsel")
     ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
     assert sel.pages.shape == ref.pages.shape
     assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
@@ -83,14 +84,14 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
 
 
 def test_rowsel_dispatch(launches):
-    """use_rowsel picks _rowsel_kernel except for short rows with small
+    """use_rowsel picks _topk_rowsel_kernel except for short rows with small
     budgets when rows >= SMs (the benchmark's 8 x 32k top-k 1024), and
     select_topk follows it, the pages right either way."""
-    assert not tk.use_rowsel(TC, 64, 2048, 192, 132)  # 8 x 32k top-k 1024: the chunked chain
-    assert tk.use_rowsel(TC, 256, 2048, 192, 132)  # top-k 4096
-    assert tk.use_rowsel(TC, 64, 8192, 192, 132)  # 8 x 128k
-    assert tk.use_rowsel(TC, 64, 2048, 24, 132)  # batch 1
-    assert not tk.use_rowsel(TC, 1024, 2**17, 24, 132)  # wider than rowsel_max_w
+    assert not tp.use_rowsel(TC, 64, 2048, 192, 132)  # 8 x 32k top-k 1024: the chunked chain
+    assert tp.use_rowsel(TC, 256, 2048, 192, 132)  # top-k 4096
+    assert tp.use_rowsel(TC, 64, 8192, 192, 132)  # 8 x 128k
+    assert tp.use_rowsel(TC, 64, 2048, 24, 132)  # batch 1
+    assert not tp.use_rowsel(TC, 1024, 2**17, 24, 132)  # wider than rowsel_max_w
     for lens, H, policy, want in [([700, 3], 1, TopK(24), True), ([700, 3, 1100], 2, TopK(24), False),
                                   ([700, 3, 1100], 2, TopK(300), True)]:
         launches.clear()
@@ -98,7 +99,7 @@ def test_rowsel_dispatch(launches):
         sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
         ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
         # 4 SMs on the interpreter: rows >= 4 with W <= 64 take the chain
-        assert bool(_rowsel_calls(launches)) == want and ("_merge_kernel" in launches.names()) != want
+        assert bool(_rowsel_calls(launches)) == want and ("_topk_merge_kernel" in launches.names()) != want
         assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
         assert page_sets(sel) == page_sets(ref)
 
@@ -112,8 +113,8 @@ def test_rowsel_dispatch(launches):
 def test_topk_overlapped(policy, dtype, H, D, P, slopes, lens, launches):
     """The overlapped selection (overlap_needs_pdl off: on the interpreter
     there is no PDL, so the selection runs after the keys pass, but through
-    the same code): _keys_kernel in batch order raising a counter per batch
-    row after each chunk, _rowsel_kernel polling it and taking its rows'
+    the same code): _topk_keys_kernel in batch order raising a counter per batch
+    row after each chunk, _topk_rowsel_kernel polling it and taking its rows'
     group maxima itself. Every batch row's counter must end at the number
     of chunks the selection waits for, and the pages must be the
     reference's (odd lengths, a sequence of one page, sinks / window, ALiBi)."""
@@ -139,17 +140,17 @@ def test_topk_overlapped(policy, dtype, H, D, P, slopes, lens, launches):
 
 def test_topk_overlap_dispatch(launches):
     """use_overlap: batch >= 2, rows of at most overlap_max_keys slots,
-    widths _rowsel_kernel takes, PDL launches; select_topk follows it but
+    widths _topk_rowsel_kernel takes, PDL launches; select_topk follows it but
     never with the certified bounds (ub), and not on the interpreter (no
     PDL) unless overlap_needs_pdl is off."""
-    assert tk.use_overlap(TC, 8, 64, 8192, True)  # 8 x 128k top-k 1024
-    assert tk.use_overlap(TC, 8, 256, 32768, True)  # 8 x 512k top-k 4096
-    assert not tk.use_overlap(TC, 1, 64, 8192, True)  # batch 1
-    assert not tk.use_overlap(TC, 8, 64, 65536, True)  # 8 x 1M: rows too long for one program's maxima
-    assert not tk.use_overlap(TC, 8, 1024, 8192, True)  # wider than rowsel_max_w
-    assert not tk.use_overlap(TC, 8, 64, 8192, False)  # no PDL: nothing to overlap
-    assert not tk.use_overlap(dataclasses.replace(TC, overlap=False), 8, 64, 8192, True)
-    assert tk.use_overlap(dataclasses.replace(TC, overlap_needs_pdl=False), 8, 64, 8192, False)
+    assert tp.use_overlap(TC, 8, 64, 8192, True)  # 8 x 128k top-k 1024
+    assert tp.use_overlap(TC, 8, 256, 32768, True)  # 8 x 512k top-k 4096
+    assert not tp.use_overlap(TC, 1, 64, 8192, True)  # batch 1
+    assert not tp.use_overlap(TC, 8, 64, 65536, True)  # 8 x 1M: rows too long for one program's maxima
+    assert not tp.use_overlap(TC, 8, 1024, 8192, True)  # wider than rowsel_max_w
+    assert not tp.use_overlap(TC, 8, 64, 8192, False)  # no PDL: nothing to overlap
+    assert not tp.use_overlap(dataclasses.replace(TC, overlap=False), 8, 64, 8192, True)
+    assert tp.use_overlap(dataclasses.replace(TC, overlap_needs_pdl=False), 8, 64, 8192, False)
     cache, ids, q, _ = case([700, 3, 1100], 2, 1, 16, 4, torch.float16, seed=3)
     ref = RP.select(TopK(300), q, cache, ids, alpha=1.5, scale=0.3)
     launches.clear()
@@ -169,7 +170,7 @@ def test_topk_overlap_dispatch(launches):
 
 @pytest.mark.parametrize("published", [True, False], ids=["published", "poll-gives-up"])
 def test_rowsel_poll(published):
-    """_rowsel_kernel with counters (launch_rowsel's cnt) on a ready key
+    """_topk_rowsel_kernel with counters (launch_rowsel's cnt) on a ready key
     table: waiting for counters already at nchk, or for counters that never
     get there (overlap_polls = 3: the poll gives up, and without PDL the
     keys were complete before the launch), it selects each row's k largest
@@ -197,9 +198,9 @@ def test_rowsel_poll(published):
 
 
 def test_rowsel_publishes():
-    """The _rowsel_kernel path without the keys-pass overlap (batch 1, or
-    rows fewer than SMs) publishes its rows too: _gmax_kernel zeroes the
-    Pending counters (garbage before), _rowsel_kernel raises counters[0] to
+    """The _topk_rowsel_kernel path without the keys-pass overlap (batch 1, or
+    rows fewer than SMs) publishes its rows too: _topk_gmax_kernel zeroes the
+    Pending counters (garbage before), _topk_rowsel_kernel raises counters[0] to
     1 per row, and the attention launched next polls them, its split
     programs counting into counters[1]; the output equals the attention
     over the same pages without counters."""
@@ -223,14 +224,14 @@ def test_rowsel_publishes():
 @pytest.mark.parametrize("layout", ["iid", "clustered", "ties"])
 @pytest.mark.parametrize("path", ["rowsel", "rowsel-cut", "chunks", "chunks-exact-lb", "no-prefilter"])
 def test_topk_long_rows_prefilter(layout, path, launches):
-    """Long MHA rows, small budget: more group maxima (_gmax_kernel) than
+    """Long MHA rows, small budget: more group maxima (_topk_gmax_kernel) than
     pages kept, so no page below the k-th largest group maximum lb is read
-    past the maxima. rowsel: _rowsel_kernel appends a row's keys >= lb to its
+    past the maxima. rowsel: _topk_rowsel_kernel appends a row's keys >= lb to its
     candidate buffer; rowsel-cut: with 8 keys per step and 16 slots, so the
     buffer overflows and is cut to its k best (again and again when
-    clustered or tied); chunks: _lb_kernel, then _chunk_kernel drops the
+    clustered or tied); chunks: _topk_lb_kernel, then _topk_chunk_kernel drops the
     pages below lb and bisects the chunks left with more than k (clustered:
-    the best pages crowd into one chunk) and _merge_kernel merges them
+    the best pages crowd into one chunk) and _topk_merge_kernel merges them
     (lb stopped early, at most lb_e maxima past k; exact-lb: bisected to the
     k-th maximum); no-prefilter: every chunk bisects. ties: 300 pages share the top bound,
     so which pages are kept is arbitrary but they must be k_row pages of the
@@ -256,8 +257,8 @@ def test_topk_long_rows_prefilter(layout, path, launches):
     sel = K.select(pol, q, cache, ids, alpha=1.5, scale=0.25, config=_cfg(c))
     ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.25)
     ran = launches.names()
-    assert ("_rowsel_kernel" in ran) == path.startswith("rowsel")
-    assert ("_lb_kernel" in ran) == path.startswith("chunks") and ("_gmax_kernel" in ran) == (path != "no-prefilter")
+    assert ("_topk_rowsel_kernel" in ran) == path.startswith("rowsel")
+    assert ("_topk_lb_kernel" in ran) == path.startswith("chunks") and ("_topk_gmax_kernel" in ran) == (path != "no-prefilter")
     assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
     if layout != "ties":
         assert page_sets(sel) == page_sets(ref)
@@ -280,7 +281,7 @@ def test_topk_long_rows_prefilter(layout, path, launches):
                                    "late-ties"])
 @pytest.mark.parametrize("groups", ["tight", "tight-exact-lb", "tight-buffer", "tight-from-below", "no-lb", "cut"])
 def test_topk_rowsel_key_table(order, groups):
-    """_gmax_kernel + _rowsel_kernel on hand-made key tables against
+    """_topk_gmax_kernel + _topk_rowsel_kernel on hand-made key tables against
     torch.topk: the kept keys of each row (3 rows of 1000 / 10 / 750 pages,
     6 or 9 pages kept) must be exactly the row's k largest (as a multiset:
     ties may be kept in any order), at distinct pages of the row. tight: 256
@@ -337,7 +338,7 @@ def test_topk_rowsel_key_table(order, groups):
             assert torch.equal(torch.sort(keys[r, got]).values, torch.sort(want).values), (r, order)
 
 
-TK = importlib.import_module("entmaxkv.kernels.topk")
+TK = importlib.import_module("entmaxkv.kernels.topk.search")
 
 
 @triton.jit
@@ -383,7 +384,7 @@ def test_kth_largest_nt_early_stop(NT, E):
 
 @pytest.mark.parametrize("H,hg", [(6, None), (12, 4), (5, 8), (4, 1)], ids=["h6", "h12-hg4", "h5-masked", "h4-hg1"])
 def test_topk_keys_pass_head_groups(H, hg, launches):
-    """_keys_kernel steps over (page block, head group): H = 6 and 12 read
+    """_topk_keys_kernel steps over (page block, head group): H = 6 and 12 read
     runs of 2 / 4 heads (3 groups), H = 5 one masked run of 8, HG = 1 one head
     per step; several programs per row (KCH = 8). Keys (the selection) and
     the certified upper bounds (u + slack) against the reference."""
@@ -396,7 +397,7 @@ def test_topk_keys_pass_head_groups(H, hg, launches):
     M = cache.block_table.shape[1]
     ub = torch.full((3, H, M), float("nan"), device=DEV)
     sel = tk.select_topk(q, cache, ids, budget=32, sinks=1, window=1, scale=0.3, slopes=sl, ub=ub, config=cfg)
-    keys = [k for n, _, k, _ in launches if n == "_keys_kernel"]
+    keys = [k for n, _, k, _ in launches if n == "_topk_keys_kernel"]
     assert len(keys) == 1 and keys[0]["BLOCK_M"] == 4 and keys[0]["NSUB"] == 2
     assert keys[0]["HG"] == (hg if hg is not None else H & -H)
     ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)

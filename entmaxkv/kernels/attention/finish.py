@@ -1,0 +1,198 @@
+"""Passes 3 (and 2-4 in one) of entmax attention: the V rows of the support.
+
+``_attn_vacc_kernel`` (pass 3) gathers, per (query head, split), the V rows
+of the candidates with p = [x - tau]_+^beta > 0 into a partial sum, which
+``_attn_combine_kernel`` (combine.py) adds up. ``_attn_finish_kernel`` does
+passes 2-4 for one query head in one program: the solve (solve.py), the
+support compacted into the head's own candidate lists, its V rows, the
+output.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .._common import entmax_prob, pdl_start, poll_start
+from .solve import _row_lists, _solve_tau
+
+
+@triton.jit
+def _pv_rows(v_ptr, b_tok, b_p, m_p, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P: tl.constexpr):
+    """p * V [BLOCK_C, BLOCK_D] for physical token ids b_tok of KV head kvh;
+    rows outside m_p load nothing and give 0."""
+    o_v = (b_tok // P).to(tl.int64) * stride_vp + kvh * stride_vh + (b_tok % P) * stride_vr
+    b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_p[:, None] & m_d[None, :], other=0.0)
+    return tl.where(m_p, b_p, 0.0)[:, None] * b_v.to(tl.float32)
+
+
+@triton.jit
+def _attn_vacc_kernel(
+    v_ptr, cx_ptr, ci_ptr, cn_ptr, tau_ptr, pacc_ptr,
+    beta, CAP,
+    stride_vp, stride_vh, stride_vr,
+    HQ, G,
+    NSPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr, PDL: tl.constexpr,
+):
+    """p = [x - tau]_+^beta over the candidate list of one (query head, split);
+    V rows are gathered only where p > 0 (usually one short block per list).
+
+    The kernel is latency-bound: token ids load with the scores (not after
+    p > 0 is known: one dependent round trip less). ACC_ROWS: a [BLOCK_C, D]
+    accumulator summed once at the end (small D, long lists); otherwise one
+    [D] row, summed per block: few registers, so that many one-warp programs
+    fit per SM (large D, where the grid B*HQ x NSPLIT is large and the lists
+    short)."""
+    pdl_start(PDL)
+    i_h = tl.program_id(0)  # b * HQ + query head
+    i_s = tl.program_id(1)
+    kvh = (i_h % HQ) // G
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    r = i_h.to(tl.int64)
+    tau = tl.load(tau_ptr + r)
+    n = tl.load(cn_ptr + r * NSPLIT + i_s)
+    p_l = (r * NSPLIT + i_s) * CAP
+    if ACC_ROWS:
+        b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+    else:
+        b_acc = tl.zeros([BLOCK_D], tl.float32)
+    for c0 in range(0, n, BLOCK_C):
+        o_j = c0 + tl.arange(0, BLOCK_C)
+        m_j = o_j < n
+        b_x = tl.load(cx_ptr + p_l + o_j, mask=m_j, other=float("-inf"))
+        b_tok = tl.load(ci_ptr + p_l + o_j, mask=m_j, other=0)
+        b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+        m_p = m_j & (b_p > 0)
+        b_pv = _pv_rows(v_ptr, b_tok, b_p, m_p, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P)
+        if ACC_ROWS:
+            b_acc += b_pv
+        else:
+            b_acc += tl.sum(b_pv, axis=0)
+    if ACC_ROWS:
+        b_out = tl.sum(b_acc, axis=0)
+    else:
+        b_out = b_acc
+    tl.store(pacc_ptr + (r * NSPLIT + i_s) * D + o_d, b_out, mask=m_d)
+
+
+@triton.jit
+def _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, c0, CAP, NS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns c0 .. c0 + BLOCK of every candidate list of a row (lengths
+    n_s, CAP slots each from base), flattened split by split: scores (-inf
+    past a list's end) and token ids."""
+    o_c = c0 + tl.arange(0, BLOCK)
+    o_x = base + (o_s.to(tl.int64) * CAP)[:, None] + o_c[None, :]
+    m_x = o_c[None, :] < n_s[:, None]
+    b_x = tl.load(cx_ptr + o_x, mask=m_x, other=float("-inf"))
+    b_tok = tl.load(ci_ptr + o_x, mask=m_x, other=0)
+    return tl.reshape(b_x, [NS_P2 * BLOCK]), tl.reshape(b_tok, [NS_P2 * BLOCK])
+
+
+@triton.jit
+def _support_slot(base, w, CAP, cw, NSPLIT: tl.constexpr):
+    """Slot of the w-th support token: the w-th slot of the row's lists
+    [NSPLIT, CAP] in chunk order (chunks of cw columns, each split's columns
+    in turn). cw = CAP gives the flat order."""
+    chunk = w // (NSPLIT * cw)
+    r = w % (NSPLIT * cw)
+    return base + chunk * cw + (r // cw) * CAP + r % cw
+
+
+@triton.jit
+def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, tau, beta, CAP,
+                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BETA_KIND: tl.constexpr):
+    """Stores (p, token id) of the candidates b_x with p > 0 as support
+    tokens w0, w0 + 1, ... (_support_slot with chunks of BLOCK_M columns; 0:
+    the flat order) and returns how many. All of this program's threads must
+    have read those slots already."""
+    b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+    keep = b_p > 0
+    o_w = w0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    if BLOCK_M == 0:
+        o_c = base + o_w
+    else:
+        o_c = _support_slot(base, o_w, CAP, BLOCK_M, NSPLIT)
+    tl.debug_barrier()  # every thread's candidates are read before any slot is overwritten
+    tl.store(cx_ptr + o_c, b_p, mask=keep)
+    tl.store(ci_ptr + o_c, b_tok, mask=keep)
+    return tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _attn_finish_kernel(
+    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr, v_ptr, out_ptr, done_ptr,
+    alpha, beta, CAP,
+    stride_vp, stride_vh, stride_vr, stride_ob, stride_oh,
+    HQ, G,
+    NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
+    HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, MODE: tl.constexpr,
+    FUSED: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
+):
+    """The work of _attn_solve_kernel, _attn_vacc_kernel and _attn_combine_kernel for one
+    query head in one program.
+
+    tau is solved over the candidates as _attn_solve_kernel does: in registers
+    when every list fits one [NS_P2, BLOCK_K] tile (MODE 0: always, as for
+    top-k budgets; 1: when this row's do), else from memory (MODE 2: always).
+    Then the support (p > 0, usually a handful of tokens) is compacted into
+    the row's own, already read, candidate lists (cumsum positions), and the
+    V rows are gathered in blocks of BLOCK_C support tokens, not over every
+    candidate; their sum is the output (entmax needs no rescaling across
+    splits). POLL: wait for done[row] to reach NSPLIT (the split programs
+    counted in, poll_ready) rather than for the whole split pass."""
+    i_r = tl.program_id(0).to(tl.int64)  # b * HQ + query head
+    if POLL:
+        poll_start(done_ptr + i_r, NSPLIT, POLLS, PDL)
+    else:
+        pdl_start(PDL)
+    o_s = tl.arange(0, NS_P2)
+    lb, m, n_s, max_n, total, t_init = _row_lists(cn_ptr, clb_ptr, cm_ptr, tinit_ptr, i_r, o_s,
+                                                  NSPLIT, HAS_INIT)
+    base = i_r * NSPLIT * CAP
+    if MODE == 0:
+        in_regs = True
+    elif MODE == 1:
+        in_regs = max_n <= BLOCK_K
+    else:
+        in_regs = False
+    if in_regs:
+        b_xr, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, 0, CAP, NS_P2, BLOCK_K)
+        tau = _solve_tau(cx_ptr + base, n_s, max_n, b_xr, lb, m, total,
+                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                         HALLEY, POLISH, NEWTON_CAP, True, FUSED)
+        n_sup = _compact_support(cx_ptr, ci_ptr, base, 0, b_xr, b_tok, tau, beta, CAP, NSPLIT, 0, BETA_KIND)
+        cw = tl.zeros([], tl.int32) + CAP  # (the flat order)
+    else:
+        tau = _solve_tau(cx_ptr + base, n_s, max_n, lb, lb, m, total,
+                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                         HALLEY, POLISH, NEWTON_CAP, False, FUSED)
+        # [NSPLIT, BLOCK_M] chunks, columns c0.. of every list at once; the
+        # w-th support token goes to the w-th slot in chunk order (chunk,
+        # split, column: _support_slot), which is in a chunk already read
+        # (w < tokens kept so far <= slots read so far); BLOCK_M divides CAP
+        n_sup = tl.zeros([], tl.int32)
+        cw = tl.zeros([], tl.int32) + BLOCK_M
+        for c0 in range(0, max_n, BLOCK_M):
+            b_x, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, c0, CAP, NS_P2, BLOCK_M)
+            n_sup += _compact_support(cx_ptr, ci_ptr, base, n_sup, b_x, b_tok, tau, beta, CAP,
+                                      NSPLIT, BLOCK_M, BETA_KIND)
+    tl.store(tau_ptr + i_r, tau)  # (an empty row: +inf, every p 0 and the output 0)
+    tl.debug_barrier()  # the compacted support is read back by other threads of this program
+    kvh = (i_r % HQ) // G
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
+    for c0 in range(0, n_sup, BLOCK_C):
+        o_j = c0 + tl.arange(0, BLOCK_C)
+        m_j = o_j < n_sup
+        o_w = _support_slot(base, o_j, CAP, cw, NSPLIT)
+        b_pj = tl.load(cx_ptr + o_w, mask=m_j, other=0.0)
+        b_tj = tl.load(ci_ptr + o_w, mask=m_j, other=0)
+        b_acc += _pv_rows(v_ptr, b_tj, b_pj, m_j, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P)
+    b_o = tl.sum(b_acc, axis=0)
+    i_b = i_r // HQ
+    i_h = i_r % HQ
+    tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_d, b_o.to(out_ptr.dtype.element_ty), mask=m_d)

@@ -1,0 +1,285 @@
+"""The attention's launch sequence and its public functions (``attend``,
+``dense_attend``, ``selection_tau``): buffers, the plan (plan.py), then the
+passes (split.py, solve.py, finish.py, combine.py) in order."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ...types import Selection
+from ..config import KernelConfig, resolve
+from .._common import as_slopes, beta_kind, cdiv, dot_flags, interpreting, kv_strides, launch_count, launch_opts, next_pow2
+from .combine import _attn_combine_kernel
+from .finish import _attn_finish_kernel, _attn_vacc_kernel
+from .plan import _max_share, _plan
+from .solve import _attn_solve_kernel
+from .split import _attn_split_entmax_kernel, _attn_split_softmax_kernel
+
+
+def _check_inputs(q: torch.Tensor, cache) -> None:
+    if q.dim() != 3 or q.shape[2] != cache.head_dim or q.shape[1] % cache.kv_heads:
+        raise ValueError(f"q: expected [batch, q_heads, {cache.head_dim}] with q_heads a multiple "
+                         f"of {cache.kv_heads}, got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        raise ValueError("q: the head_dim axis must be contiguous")
+    if cache.num_pages * cache.page_size >= 2**31:
+        raise ValueError("cache: num_pages * page_size must stay below 2**31 (token ids are int32)")
+
+
+def _run(
+    q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
+    alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None, config: KernelConfig,
+):
+    """Launch the split pass and the finishing kernels; returns (out or None, tau).
+    ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
+    (AttentionConfig.poll_ready); ``config``: the launch choices."""
+    c = config.attention
+    _check_inputs(q, cache)
+    B, HQ, D = q.shape
+    H, P = cache.kv_heads, cache.page_size
+    G = HQ // H
+    NG = HQ // S
+    dev = q.device
+    qk = q.float() if q.dtype == torch.float64 else q  # the oracle dtype runs in float32
+    softmax = alpha == 1.0
+    cfg = _plan(c, B, S, NG, D, W, P, dev, softmax, cache.k_pages.element_size(), dense)
+    NSPLIT, BLOCK_T = cfg["NSPLIT"], cfg["BLOCK_T"]
+    NS_P2 = next_pow2(NSPLIT)
+    dot_f32, prec = dot_flags(cache.dtype)
+    if qk.dtype != cache.dtype:
+        dot_f32, prec = True, "ieee"
+    (skp, skh, skr), (svp, svh, svr) = kv_strides(cache)
+    sl = as_slopes(slopes, HQ, dev)
+    ids = seq_ids.to(device=dev, dtype=torch.int32)
+    if dense:  # unread placeholders (DENSE walks every page): torch.empty launches no fill
+        pages = torch.empty(1, 1, 1, dtype=torch.int32, device=dev)
+        counts = torch.empty(1, 1, dtype=torch.int32, device=dev)
+    R = B * HQ
+    f32 = torch.float32
+    tau = torch.empty(R, dtype=f32, device=dev)
+    beta = 1.0 / (alpha - 1.0) if not softmax else 1.0
+    bk = beta_kind(alpha)
+    CAP = 1
+    if softmax:
+        pm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        pl = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        finish = False
+    else:
+        # one candidate list per (query head, split), room for all its tokens
+        # (staged as rows of BLOCK_T slots, then compacted in place)
+        CAP = cdiv(_max_share(W, NSPLIT, cfg["MIN_PER"]) * P, BLOCK_T) * BLOCK_T
+        cx = torch.empty(R * NSPLIT * CAP, dtype=f32, device=dev)
+        ci = torch.empty(R * NSPLIT * CAP, dtype=torch.int32, device=dev)
+        cn = torch.empty(R, NSPLIT, dtype=torch.int32, device=dev)
+        clb = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        pm = pl = clb  # unused
+        block_k = max(4, c.solve_tile // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
+        fits = CAP <= block_k
+        finish = want_out and c.finish and (fits or cfg["USE_DOT"] or NSPLIT <= c.finish_max_splits)
+    # the split partials, read by _attn_vacc_kernel / _attn_combine_kernel only
+    pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev) if softmax or (want_out and not finish) else pm
+    newton = c.tile_newton if (not softmax and alpha <= 2.0) else 0
+    lb_mode = getattr(c, "lb_mode_" + cfg["PATH"]) if newton <= 1 else 0  # the fused step takes one Newton step at most
+    opts = launch_opts(dev, config.pdl)
+    # poll_ready: the split programs wait for their own rows; with one query
+    # head per row and two launches (split, then finish or combine) the
+    # second waits for its rows' split programs too
+    poll = 0
+    if c.poll_ready and ready is not None and not dense and W * P <= c.poll_max_tokens:
+        poll = 2 if (S == HQ and want_out and (softmax or finish)) else 1
+    rdy = ready[0] if poll else tau
+    done = ready[1] if poll == 2 else tau
+
+    rows_first = bool(poll) and c.poll_rows_first and B * S < 65536  # (a grid's y extent)
+    grid = (NSPLIT, B * S) if rows_first else (B * S, NSPLIT)
+    if softmax:
+        _attn_split_softmax_kernel[grid](
+            qk, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
+            pm, pl, pacc, rdy, done,
+            float(scale),
+            qk.stride(0), qk.stride(1),
+            skp, skh, skr, svp, svh, svr,
+            cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
+            HQ, G, W,
+            S=S, NG=NG, NSPLIT=NSPLIT, P=P, D=D,
+            BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
+            DENSE=dense, HAS_ALIBI=slopes is not None,
+            USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
+            LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=c.poll_polls, ROWS_FIRST=rows_first,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
+        )
+    else:
+        _attn_split_entmax_kernel[grid](
+            qk, cache.k_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
+            cx, ci, cn, clb, cm, rdy, done,
+            float(scale), float(alpha - 1.0), float(beta),
+            qk.stride(0), qk.stride(1),
+            skp, skh, skr,
+            cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
+            HQ, G, W, CAP,
+            S=S, NG=NG, NSPLIT=NSPLIT, MIN_PER=cfg["MIN_PER"], P=P, D=D,
+            BLOCK_G=cfg["BLOCK_G"], R=cfg["R"], BLOCK_D=cfg["BLOCK_D"], BLOCK_T=BLOCK_T,
+            DENSE=dense, HAS_ALIBI=slopes is not None,
+            BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
+            USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
+            LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=c.poll_polls, ROWS_FIRST=rows_first,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
+        )
+    if not softmax:
+        tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
+        fused = c.fused_sums and (c.fused_sums_interpreted or not interpreting())
+        if finish:
+            out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
+            block_d = next_pow2(D)
+            _attn_finish_kernel[(R,)](
+                cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out, done,
+                float(alpha), float(beta), CAP,
+                svp, svh, svr, out.stride(0), out.stride(1),
+                HQ, G,
+                NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k, BLOCK_M=min(block_k, BLOCK_T),  # (divides CAP)
+                P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(c.finish_block, 8192 // block_d)),
+                BETA_KIND=bk, HAS_INIT=tau_init is not None,
+                HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max,
+                MODE=(0 if fits else 1) if c.solve_in_regs else 2, FUSED=fused, POLL=poll == 2, POLLS=c.poll_polls,
+                num_warps=c.finish_warps[0 if fits else 1], **opts,
+            )
+            return out, tau.view(B, HQ)
+        _attn_solve_kernel[(R,)](
+            cx, cn, clb, cm, tinit, tau,
+            float(alpha), float(beta), CAP,
+            NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
+            BETA_KIND=bk, HAS_INIT=tau_init is not None,
+            HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max, IN_REGS=c.solve_in_regs,
+            FUSED=fused, num_warps=8, **opts,
+        )
+        if not want_out:
+            return None, tau.view(B, HQ)
+        block_d = next_pow2(D)
+        vblock, vwarps, vrows = c.vacc_small_d if block_d <= 64 else c.vacc_large_d
+        _attn_vacc_kernel[(R, NSPLIT)](
+            cache.v_pages, cx, ci, cn, tau, pacc,
+            float(beta), CAP,
+            svp, svh, svr,
+            HQ, G,
+            NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
+            BLOCK_C=max(16, min(vblock, 8192 // block_d)), BETA_KIND=bk, ACC_ROWS=vrows,
+            num_warps=vwarps, **opts,
+        )
+    out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
+    _attn_combine_kernel[(R,)](
+        pm, pl, pacc, tau, out, done,
+        out.stride(0), out.stride(1), HQ,
+        NSPLIT=NSPLIT, NS_P2=NS_P2, D=D, BLOCK_D=next_pow2(D), SOFTMAX=softmax,
+        POLL=poll == 2, POLLS=c.poll_polls,
+        num_warps=1 if D <= 64 else 2, **opts,
+    )
+    return out, tau.view(B, HQ)
+
+
+# ---------------------------------------------------------------------------
+# public functions
+# ---------------------------------------------------------------------------
+
+
+def attend(
+    q: torch.Tensor,
+    cache,
+    seq_ids: torch.Tensor,
+    sel: Selection,
+    *,
+    alpha: float,
+    scale: float,
+    slopes: Optional[torch.Tensor] = None,
+    tau_init: Optional[torch.Tensor] = None,
+    config=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact alpha-entmax (alpha = 1: softmax) attention over the selected pages.
+
+    Triton twin of ``entmaxkv.attention.attend``: reads only the K of the
+    selected pages through the block table (each page once for every query
+    head of its selection row), solves tau exactly per query head over the
+    kept scores, and reads V only for tokens in the support (softmax: every
+    kept token).
+
+    Args:
+        q: [batch, q_heads, head_dim] float16/bfloat16/float32 (float64 runs in
+            float32), head_dim axis contiguous.
+        cache: PagedKVCache (k_pages/v_pages [num_pages, kv_heads, P, D]).
+        seq_ids: int32/int64 [batch] cache slots, on the cache device.
+        sel: Selection; pages int32 [batch, S, W] logical page ids (any order,
+            distinct, first counts[b, s] valid), counts int32 [batch, S],
+            S = kv_heads (one selection per KV group) or q_heads. When it
+            comes from the launch just before (``pending``), each row starts
+            as soon as it is selected (AttentionConfig.poll_ready).
+        alpha: >= 1 (1 softmax, 1.5, 2 fast paths; any alpha > 1 works).
+        scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
+        tau_init: optional float [batch, q_heads] warm start (used, clamped
+            into the bracket, by the general-alpha Halley solver only).
+    Returns:
+        out [batch, q_heads, head_dim] in q's dtype (zeros for a head with no
+        kept token) and tau float32 [batch, q_heads] (softmax: log-sum-exp;
+        +inf for a head with no kept token).
+    Workspace: float32+int32 candidates of size batch * q_heads * W * P for
+    entmax (W = sel width), allocated per call.
+    """
+    B, HQ, _ = q.shape
+    pages, counts = sel.pages, sel.counts
+    S, W = pages.shape[1], pages.shape[2]
+    if S not in (cache.kv_heads, HQ) or pages.shape[0] != B:
+        raise ValueError(f"sel: expected pages [batch, kv_heads or q_heads, W], got {tuple(pages.shape)}")
+    if pages.dtype != torch.int32:
+        pages = pages.to(torch.int32)
+    if counts.dtype != torch.int32:
+        counts = counts.to(torch.int32)
+    counts = counts.contiguous()
+    if pages.stride(-1) != 1:
+        pages = pages.contiguous()
+    ready = None
+    if sel.pending is not None and sel.pending.launch == launch_count():  # nothing launched since it
+        ready = sel.pending.counters
+        if (ready.dtype != torch.int32 or tuple(ready.shape) != (2, B, S) or not ready.is_contiguous()
+                or ready.device != q.device):
+            raise ValueError(f"sel: pending.counters must be a contiguous int32 [2, {B}, {S}] tensor on "
+                             f"{q.device}, got {ready.dtype} {tuple(ready.shape)} on {ready.device}")
+    return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init, ready=ready,
+                config=resolve(config))
+
+
+def dense_attend(
+    q: torch.Tensor,
+    cache,
+    seq_ids: torch.Tensor,
+    *,
+    alpha: float,
+    scale: float,
+    slopes: Optional[torch.Tensor] = None,
+    config=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Full-cache attention (the ``Full`` policy) without a Selection.
+
+    Same algorithm as :func:`attend` with every logical page of each sequence
+    kept; the entmax version writes only the candidate scores (x above a
+    running lower bound on tau) to HBM, never the whole score row, and reads
+    V only for support tokens.
+
+    Args and returns as :func:`attend` (no ``sel``, no ``tau_init``).
+    Workspace (entmax): batch * q_heads * max_pages_per_seq * P candidates.
+    """
+    M = cache.block_table.shape[1]
+    return _run(q, cache, seq_ids, None, None, cache.kv_heads, M, True,
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=None, config=resolve(config))
+
+
+def selection_tau(q, cache, seq_ids, sel: Selection, *, alpha: float, scale: float,
+                  slopes=None, tau_init=None, config=None) -> torch.Tensor:
+    """tau [batch, q_heads] over the selected pages without computing the output
+    (entmax only; used by the certified policy)."""
+    B, HQ, _ = q.shape
+    S, W = sel.pages.shape[1], sel.pages.shape[2]
+    _, tau = _run(q, cache, seq_ids, sel.pages.to(torch.int32).contiguous(), sel.counts.to(torch.int32),
+                  S, max(W, 1), False, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init,
+                  want_out=False, config=resolve(config))
+    return tau
