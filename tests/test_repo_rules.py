@@ -4,6 +4,7 @@
   date or a commit hash (measurements live in docs/tuning.md, history in git).
 - Launch choices are passed as configs: no test changes a module's
   attributes (monkeypatch, setattr) and no benchmark evals its options.
+- docs/kernels.md stays the design, at most 500 lines.
 """
 from __future__ import annotations
 
@@ -69,3 +70,8 @@ def test_no_test_patches_a_module_and_no_benchmark_evals():
                 bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not bad, "\n".join(bad)
 
+
+
+def test_kernel_design_doc_is_short():
+    lines = (ROOT / "docs" / "kernels.md").read_text().splitlines()
+    assert len(lines) <= 500, len(lines)
