@@ -40,3 +40,19 @@ def test_decode_takes_a_kernel_config():
     with pytest.raises(ValueError, match="config"):
         decode(q, cache, ids, TopK(24), alpha=1.5, backend="triton", kernel_config="fast")
     assert torch.isfinite(ref).all()
+
+
+def test_command_line_fields_make_a_config():
+    """The benchmarks' --config FIELD=VALUE / STAGE.FIELD=VALUE options
+    (benchmarks.harness.kernel_config) build the same frozen values the
+    tests pass, and name an unknown field."""
+    from benchmarks.harness import kernel_config
+
+    assert kernel_config([]) is None
+    cfg = kernel_config(["pdl=False", "attention.finish=False", "topk.keys_tune=(('KCH', 8),)"])
+    assert cfg == K.KernelConfig(pdl=False, attention=K.AttentionConfig(finish=False),
+                                 topk=K.TopKConfig(keys_tune=(("KCH", 8),)))
+    hash(cfg)
+    for bad in ("attention.FINISH=False", "nosuch=1"):
+        with pytest.raises(ValueError, match="--config"):
+            kernel_config([bad])
