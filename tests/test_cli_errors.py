@@ -192,16 +192,17 @@ def test_out_that_is_a_folder_is_rejected(capsys, tmp_path):
     assert rc == 2 and len(_lines(err)) == 1 and "--out" in err and "Traceback" not in err
 
 
-def test_library_value_error_reaching_main_is_one_line(capsys, monkeypatch):
+def test_library_value_error_reaching_main_is_one_line(capsys):
     """Whatever ValueError the library raises while a command runs is printed
     as one line with exit status 2 (the flags were fine, the input was not)."""
-    from entmaxkv import demo
 
     def boom(args):
         raise ValueError("alpha: outside the supported range\n(second line of detail)")
 
-    monkeypatch.setattr(demo, "run_demo", boom)
-    rc, err = run_main(cli.main, DEMO_BASE, capsys)
+    parser = cli.Parser(prog="entmaxkv demo")
+    parser.set_defaults(func=boom)
+    rc = cli.run(parser, [])
+    err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert _lines(err) == ["entmaxkv demo: error: alpha: outside the supported range (second line of detail)"]
 
