@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from .cache import PagedKVCache
-from .entmax import entmax_from_tau, entmax_threshold
+from .entmax import _check_alpha, _entmax_and_threshold
 from .scoring import PageLayout, _slopes, compute_dtype, page_layout
 from .types import Selection
 
@@ -99,20 +99,26 @@ def attend(
     Args:
         q: [B, HQ, D]; sel: Selection with S in {H, HQ} selection heads.
         tau_init: optional float [B, HQ].
+        alpha: checked and made effective as in entmax() (limits.check_alpha,
+            limits.effective_alpha).
     Returns:
         out: [B, HQ, D] in q.dtype; tau: float32/float64 [B, HQ]
         (+inf for a head with no kept token, whose output is zeros).
     """
+    alpha = _check_alpha(alpha)
     lay = layout if layout is not None else page_layout(cache, seq_ids)
     B, HQ, D = q.shape
     S = sel.sel_heads
     s, v = selected_scores(
         q, cache, seq_ids, sel, scale=scale, slopes=slopes, layout=lay, with_values=True
     )
-    tau, _ = entmax_threshold(s, alpha, dim=-1, tau_init=tau_init)
-    p = entmax_from_tau(s, tau, alpha, dim=-1)  # [B, HQ, N]
+    # The same solve as entmax(): p is built from the row-max-shifted scores
+    # and the log-threshold, never from tau, so |scores| ~ 1e7 and alpha near
+    # 1 keep their digits (a p from the unshifted scores and tau does not).
+    p, tau = _entmax_and_threshold(s, alpha, tau_init=tau_init)  # [B, HQ, N], [B, HQ]
+    p = p.to(v.dtype)
     out = torch.einsum("bsgn,bsnd->bsgd", p.view(B, S, HQ // S, -1), v).reshape(B, HQ, D)
-    return out.to(q.dtype), tau
+    return out.to(q.dtype), tau.to(s.dtype)
 
 
 def certify(

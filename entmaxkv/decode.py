@@ -20,6 +20,7 @@ from .backend import BACKENDS, Backend, resolve_backend
 from .cache import PagedKVCache
 from .policies import Full, Policy, check_policy
 from ._checks import as_bool, as_choice, as_float, describe, is_int
+from .limits import POSITION_MAX, check_alpha, effective_alpha
 from .types import DecodeStats
 
 
@@ -85,8 +86,10 @@ def _check_query(q: torch.Tensor, cache: PagedKVCache, check_finite: Optional[bo
 
 
 def _check_scalars(alpha, scale, D: int) -> Tuple[float, float]:
-    """alpha >= 1 and scale > 0 (default 1/sqrt(D)) as Python floats; see _checks for what is a number."""
-    alpha = as_float(alpha, "alpha", lo=1.0)
+    """alpha in [1, ALPHA_MAX] (returned as the effective alpha: 1.0 below
+    1 + SOFTMAX_BELOW, see limits.py) and scale > 0 (default 1/sqrt(D)) as
+    Python floats; see _checks for what is a number."""
+    alpha = effective_alpha(check_alpha(alpha))
     scale = 1.0 / math.sqrt(D) if scale is None else as_float(scale, "scale", lo=0.0, lo_open=True)
     return alpha, scale
 
@@ -99,6 +102,15 @@ def _check_slopes(slopes, HQ: int, cache: PagedKVCache) -> Optional[torch.Tensor
         raise ValueError(f"alibi_slopes: expected a float tensor of shape ({HQ},), got {got}")
     if slopes.device.type == "cpu" and not bool(torch.isfinite(slopes).all()):
         raise ValueError("alibi_slopes: contains NaN or infinite values (expected finite slopes)")
+    capacity = cache.max_pages_per_seq * cache.page_size
+    if capacity > POSITION_MAX:
+        # Relative positions are float32, where integers are exact only up to 2^24.
+        raise ValueError(
+            f"alibi_slopes: ALiBi needs a cache of at most {POSITION_MAX} tokens per sequence "
+            f"(positions are float32), but cache holds up to {capacity} (max_pages_per_seq="
+            f"{cache.max_pages_per_seq} x page_size={cache.page_size}); build it with a smaller "
+            "max_pages_per_seq"
+        )
     return slopes.to(device=cache.device, dtype=torch.float32)
 
 
@@ -144,12 +156,16 @@ def decode(
             tuple or NumPy array) or an int32/int64 tensor [batch] (a CUDA
             tensor skips the host-side existence check).
         policy: Full() (default), TopK(budget), Gaussian(...) or Certified(...).
-        alpha: entmax alpha >= 1; 1 is softmax (TopK with alpha = 1 is Quest).
+        alpha: entmax alpha in [1, 4] (limits.ALPHA_MAX); 1 is softmax (TopK
+            with alpha = 1 is Quest), and so is alpha < 1 + 2^-33
+            (limits.SOFTMAX_BELOW, see docs/limits.md).
         scale: score scale > 0, default 1/sqrt(head_dim). alpha and scale
             are Python or NumPy numbers (not bool, not tensors: reading a
             tensor's value would be a host synchronisation).
         alibi_slopes: optional float [q_heads]; score += slope * (j - pos_q),
-            slope 0 = no positional bias (NAPE mixes both).
+            slope 0 = no positional bias (NAPE mixes both). Needs a cache of
+            at most 2^24 tokens per sequence (limits.POSITION_MAX:
+            max_pages_per_seq * page_size), where float32 positions are exact.
         out: optional [batch, q_heads, head_dim] tensor, q's dtype, written in place.
         return_stats: also return DecodeStats (pages/tokens read, coverage,
             final tau, certificate).

@@ -41,7 +41,8 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._checks import as_dim, as_float, as_float_tensor, check_reduced_shape
+from ._checks import as_dim, as_float_tensor, check_reduced_shape
+from .limits import FLOAT64_ABOVE, check_alpha, effective_alpha
 
 __all__ = [
     "entmax_threshold",
@@ -79,10 +80,11 @@ def _default_iters(alpha: float) -> int:
 
 
 def _check_alpha(alpha) -> float:
-    """Return ``alpha`` as a Python float; raise ValueError unless alpha >= 1 is
-    a finite Python or NumPy number (a tensor alpha would force a host sync on
-    every call to choose the solver, so it is refused too)."""
-    return as_float(alpha, "alpha", lo=1.0)
+    """The alpha that runs, as a Python float: check_alpha (a finite Python or
+    NumPy number in [1, ALPHA_MAX], else ValueError naming ``alpha``; a tensor
+    alpha would force a host sync on every call to choose the solver) followed
+    by effective_alpha (1.0, softmax, when alpha - 1 < SOFTMAX_BELOW)."""
+    return effective_alpha(check_alpha(alpha))
 
 
 def _check_scores(x, dim, name: str = "x") -> int:
@@ -91,83 +93,127 @@ def _check_scores(x, dim, name: str = "x") -> int:
     return as_dim(dim, "dim", x.dim())
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else is solved in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _scaled_scores(x: torch.Tensor, alpha: float, dim: int) -> torch.Tensor:
-    """z = (alpha - 1) x (or x itself for softmax), moved to the last dim, in the solve dtype."""
-    z = x.movedim(dim, -1).to(_compute_dtype(x.dtype))
-    if alpha != 1.0:
-        z = z * (alpha - 1.0)  # -inf stays -inf because alpha - 1 > 0
-    return z
+def _compute_dtype(dtype: torch.dtype, alpha: float = 1.0) -> torch.dtype:
+    """The solve dtype: float64 for float64 inputs and for alpha > FLOAT64_ABOVE
+    (where the support clusters within ~n^(1-alpha) of the row max, finer than
+    float32 resolves); float32 otherwise."""
+    if dtype == torch.float64 or alpha > FLOAT64_ABOVE:
+        return torch.float64
+    return torch.float32
 
 
 # --------------------------------------------------------------------------
-# numerical core. Every solver works on d = z - max(z) along the last dim
-# (z = (alpha-1) x), so that max(d) = 0 and the threshold t = tau - max(z)
-# lies in [-1, -n^(1-alpha)]. Why: support entries then have d in [-1, 0],
-# where d and t are far finer-grained than z and tau themselves; [d - t]_+ is
-# accurate even when the support sits in a 1e-10-wide cluster (alpha > 2).
+# numerical core. Every solver works on y = x - max(x) along the last dim
+# (the shift comes BEFORE the scaling by alpha - 1, so a finite row never
+# overflows, whatever |(alpha-1) x|) and on the log-threshold c, defined by
+#
+#     tau = (alpha-1) max(x) - exp(-(alpha-1) c),
+#     p_i = [(alpha-1) y_i + exp(-(alpha-1) c)]_+ ^ (1/(alpha-1)).
+#
+# c lies in [0, ln n] for every alpha and tends to logsumexp(y) as alpha -> 1
+# (softmax's tau in the same shifted coordinates). Why not solve for
+# t = tau - (alpha-1) max(x) = -exp(-(alpha-1) c) in [-1, -n^(1-alpha)]: near
+# softmax t = -1 + O(alpha-1) and a float t keeps no digit of the O(alpha-1)
+# part (alpha = 1 + 1e-8 in float32 sums to n, not 1), while c keeps them all;
+# at large alpha t ~ -n^(1-alpha) is exp(-(alpha-1) c) to full precision too.
+# The base of the power, u = (alpha-1) y + exp(-(alpha-1) c), is evaluated in
+# whichever of two forms has no cancellation (_base_power).
 # --------------------------------------------------------------------------
 
 
-def _shift(z: torch.Tensor):
-    """d = z - m with m the row max over unmasked entries (0 for all-masked rows).
+def _shift(x: torch.Tensor, dim: int, dtype: torch.dtype):
+    """y = x - max(x) moved to the last dim, in ``dtype``.
 
-    Returns d [..., n], m [...], the valid count n [...] (int64) and the
-    all-masked mask [...]. All-masked rows keep d = -inf everywhere; the
-    solvers treat them as a dummy problem and their threshold is set to +inf.
+    Returns y [..., n], the row max m [...] (0 for all-masked rows), the valid
+    count n [...] (int64, counted before the shift) and the all-masked mask
+    [...]. All-masked rows keep y = -inf everywhere.
     """
+    z = x.movedim(dim, -1).to(dtype)
     n = (z > float("-inf")).sum(-1)
     empty = n == 0
-    m = torch.where(empty, torch.zeros((), dtype=z.dtype, device=z.device), z.amax(-1))
+    m = torch.where(empty, torch.zeros((), dtype=dtype, device=z.device), z.amax(-1))
     return z - m.unsqueeze(-1), m, n, empty
 
 
-def _bracket(n: torch.Tensor, alpha: float, dtype: torch.dtype):
-    """the spec bracket of the shifted threshold: [-1, -n^(1-alpha)].
-
-    lo = -1: the largest entry alone has mass 1 there, so f(lo) >= 0.
-    hi = -n^(1-alpha): every entry has mass <= 1/n there, so f(hi) <= 0.
-    """
+def _c_bracket(n: torch.Tensor, dtype: torch.dtype):
+    """[0, ln n] brackets c: at c = 0 the largest entry alone has mass 1, at
+    c = ln n every entry has mass <= 1/n."""
     nf = n.clamp_min(1).to(dtype)
-    return -torch.ones_like(nf), -nf.pow(1.0 - alpha)
+    return torch.zeros_like(nf), nf.log()
 
 
-def _power_sums(d: torch.Tensor, t: torch.Tensor, beta: float, order: int):
-    """S0 = sum u^beta, S1 = sum u^(beta-1) and (order 2) S2 = sum u^(beta-2), u = [d - t]_+.
+def _base_power(y: torch.Tensor, c: torch.Tensor, g: float, t=None, far=None):
+    """(p, u, on) for u = g y + exp(-g c) [..., n], c [...]: p = u^(1/g) on
+    the support (on: u > 0) and 0 elsewhere.
 
-    Sums run over the support (u > 0) only. In these terms the mass is
-    f(t) + 1 = S0, f' = -beta S1 and f'' = beta (beta - 1) S2.
+    Two forms of the same number. w = g y + expm1(-g c) = u - 1 adds two
+    non-positive terms, so log1p(w) is exact to rounding wherever u >= 1/2 --
+    all of the support near softmax, where u = 1 - O(alpha-1) and u itself
+    would have lost the O(alpha-1) part. Below 1/2, log(u) with
+    u = g y + exp(-g c) is exact to rounding, and it is the form that resolves
+    u ~ n^(1-alpha) at large alpha (exact ties: u = exp(-g c)).
+    With ``t`` and ``far`` (bool [...], from _finish) the rows where ``far``
+    use u = g y - t instead: there the threshold t = -exp(-g c) is in
+    (-1/2, 0), where t carries more digits than c (see _finish).
+    The power is exp(log1p(w) / g) where u >= 1/2 and pow(u, 1/g) below: the
+    exp of a log would multiply u's rounding error by |log p|, while pow
+    rounds once (exact for alpha = 2 and 1.5, powers 1 and 2).
+    Off the support (and on masked entries, y = -inf) u is replaced by 1 so
+    that no log, division or gradient sees a non-positive number.
     """
-    u = (d - t.unsqueeze(-1)).clamp_min(0.0)  # masked entries (d = -inf) give 0
-    # Divide by a copy of u with its zeros replaced by 1: u^(beta-1) = u^beta / u
-    # is then exactly 0 off the support (0 / 1) instead of inf or NaN, with one
-    # pow per step instead of three.
-    us = torch.where(u > 0, u, 1.0)
-    p0 = u.pow(beta)  # 0^beta = 0 for beta > 0
+    gc = (g * c).unsqueeze(-1)
+    gy = y * g
+    u = gy + torch.exp(-gc)
+    w = gy + torch.expm1(-gc)
+    near = w > -0.5
+    if t is not None:
+        f = far.unsqueeze(-1)
+        u = torch.where(f, gy - t.unsqueeze(-1), u)
+        near = near & ~f
+    on = near | (u > 0)
+    us = torch.where(on, u, torch.ones_like(u))
+    wn = torch.where(near, w, torch.zeros_like(w))
+    p = torch.where(near, torch.exp(torch.log1p(wn) / g), us.pow(1.0 / g))
+    return torch.where(on, p, torch.zeros_like(p)), us, on
+
+
+def _power_sums(y: torch.Tensor, c: torch.Tensor, g: float, order: int):
+    """S0 = sum u^beta, S1 = sum u^(beta-1) and (order 2) S2 = sum u^(beta-2),
+    beta = 1/g, over the support (u > 0) only; S0 is the mass."""
+    p0, us, _ = _base_power(y, c, g)
     p1 = p0 / us
     s0, s1 = p0.sum(-1), p1.sum(-1)
-    if order < 2:
-        return s0, s1, None
-    if beta == 1.0:
-        s2 = torch.zeros_like(s0)  # its coefficient beta (beta-1) is 0 anyway
-    else:
-        s2 = (p1 / us).sum(-1)
+    s2 = (p1 / us).sum(-1) if order >= 2 else None
     return s0, s1, s2
 
 
+def _log_mass(s0, s1, s2, c, g: float):
+    """h = log S0 and its c-derivatives h', h'' (h'' only if s2 is given).
+
+    With E = exp(-g c): dS0/dc = -E S1 and dS1/dc = -(1-g) E S2, so
+    h' = -E S1 / S0 and h'' = (g E S1 + (1-g) E^2 S2) / S0 - h'^2.
+    Why log S0: on a support of k equal entries S0 = k exp(-c), so h is
+    exactly linear in c for every alpha, and near softmax
+    h = logsumexp(y) - c + O(alpha-1); Newton and Halley on it converge in a
+    few steps. S0 >= 1/n > 0 inside the bracket, so the log is finite.
+    """
+    e = torch.exp(-g * c)
+    h = torch.log(s0)
+    h1 = -e * s1 / s0
+    if s2 is None:
+        return h, h1, None
+    h2 = (g * e * s1 + (1.0 - g) * e * e * s2) / s0 - h1 * h1
+    return h, h1, h2
+
+
 def _h_and_derivs(s0, s1, s2, alpha: float):
-    """h = S0^(alpha-1) - 1 and its t-derivatives h', h'' (h'' only if s2 is given).
+    """h = S0^(alpha-1) - 1 and its t-derivatives h', h'' (h'' only if s2 is given),
+    for a threshold t with S0 = sum [d - t]_+^beta (entmaxkv.gaussian's solve).
 
     h has the same root and sign as f = S0 - 1, but S0^(alpha-1) is the
     beta-"norm" of u = [d - t]_+ (beta = 1 / (alpha - 1)): it is exactly
     linear in t while the support is fixed and its entries are equal, and
-    convex for alpha <= 2. Newton/Halley on h therefore converge in a handful
-    of steps where on f (a beta-th power, beta up to ~100 near softmax) they
-    crawl.
+    convex for alpha <= 2.
     """
     beta, g = 1.0 / (alpha - 1.0), alpha - 1.0
     d0 = -beta * s1  # dS0/dt
@@ -184,20 +230,48 @@ def _h_and_derivs(s0, s1, s2, alpha: float):
     return h, h1, h2
 
 
-def _newton_polish(d, t, alpha, lo, hi, steps):
-    """Newton steps on h restricted to the support detected at the current t.
+def _newton_polish(y, c, g, lo, hi, steps):
+    """Newton steps on log S0 restricted to the support detected at the current c.
 
     Starting next to the root, this is an exact re-solve on that support to the
     working precision; the bracket clamp keeps a bad step harmless.
     """
-    beta = 1.0 / (alpha - 1.0)
     for _ in range(steps):
-        s0, s1, _ = _power_sums(d, t, beta, order=1)
-        h, h1, _ = _h_and_derivs(s0, s1, None, alpha)
+        s0, s1, _ = _power_sums(y, c, g, order=1)
+        h, h1, _ = _log_mass(s0, s1, None, c, g)
+        step = -h / h1
+        step = torch.where(torch.isfinite(step), step, torch.zeros_like(step))
+        c = torch.minimum(torch.maximum(c + step, lo), hi)
+    return c
+
+
+def _finish(y, c, n, alpha: float, steps: int = POLISH_ITERS):
+    """(t, far): the shifted threshold t = -exp(-g c), re-solved in t where it is
+    the finer variable, and the rows where it is (far, bool [...]).
+
+    A float c is exact to ~eps * c, a float t to ~eps * |t|; since
+    dt = g |t| dc, t is the finer one once |t| < 1/2 (g c > ln 2: large alpha
+    or long rows), and there Newton steps on S0^(alpha-1) - 1 in t
+    (_h_and_derivs, the form that is linear in t on a fixed support) recover
+    the digits c cannot hold (entmax-1.5 over a 2^17-entry float32 support:
+    2e-10 -> 5e-11). Elsewhere (near softmax) t is left unused.
+    """
+    g = alpha - 1.0
+    beta = 1.0 / g
+    far = g * c > math.log(2.0)
+    d = y * g
+    t = -torch.exp(-g * c)
+    nf = n.clamp_min(1).to(y.dtype)
+    lo, hi = -torch.ones_like(t), -nf.pow(-g)  # [-1, -n^(1-alpha)] brackets t
+    for _ in range(steps):
+        u = (d - t.unsqueeze(-1)).clamp_min(0.0)
+        us = torch.where(u > 0, u, torch.ones_like(u))
+        p0 = torch.where(u > 0, us.pow(beta), torch.zeros_like(u))
+        h, h1, _ = _h_and_derivs(p0.sum(-1), (p0 / us).sum(-1), None, alpha)
         step = -h / h1
         step = torch.where(torch.isfinite(step), step, torch.zeros_like(step))
         t = torch.minimum(torch.maximum(t + step, lo), hi)
-    return t
+    return t, far
 
 
 def _sorted_prefix_threshold(d: torch.Tensor, candidate) -> torch.Tensor:
@@ -263,121 +337,168 @@ def _safeguarded_step(t, lo, hi, h, h1, h2, step2, tiny):
     return torch.where(ok, cand, 0.5 * (lo + hi))
 
 
+
+
 def _threshold_halley(
-    d: torch.Tensor,
+    y: torch.Tensor,
     n: torch.Tensor,
     alpha: float,
-    t_init: Optional[torch.Tensor] = None,
+    c_init: Optional[torch.Tensor] = None,
     n_iter: Optional[int] = None,
 ) -> torch.Tensor:
-    """Safeguarded Halley iteration for any alpha > 1 (fixed iteration count).
+    """Safeguarded Halley iteration for c, any alpha > 1 (fixed iteration count).
 
-    Solves h(t) = (sum [d - t]_+^beta)^(alpha-1) - 1 = 0, which has the root
-    and sign of f(t) = sum [d - t]_+^beta - 1 but is far closer to linear
-    (see _h_and_derivs). The bracket [lo, hi] starts at the spec bounds and
-    is tightened with the sign of f at every iterate; each step is a Halley
-    step guarded by _safeguarded_step (bisection when it leaves the bracket or
-    stalls -- as it does where entries join the support with a vertical
-    tangent, alpha > 2). All branch-free; the count is fixed.
+    Solves h(c) = log sum_i u_i^beta = 0 (see _log_mass). The bracket [lo, hi]
+    starts at [0, ln n] and is tightened with the sign of S0 - 1 at every
+    iterate; each step is a Halley step guarded by _safeguarded_step
+    (bisection when it leaves the bracket or stalls -- as it does where
+    entries join the support with a vertical tangent, alpha > 2). All
+    branch-free; the count is fixed.
     """
-    beta = 1.0 / (alpha - 1.0)
+    g = alpha - 1.0
     if n_iter is None:
         n_iter = _default_iters(alpha)
-    lo, hi = _bracket(n, alpha, d.dtype)
-    if t_init is None:
-        t = lo.clone()
+    lo, hi = _c_bracket(n, y.dtype)
+    if c_init is None:
+        c = lo.clone()
     else:
-        t0 = torch.where(torch.isnan(t_init), lo, t_init)
-        t = torch.minimum(torch.maximum(t0, lo), hi)  # a bad warm start is clamped
-    tiny = 8.0 * torch.finfo(d.dtype).eps  # |t| <= 1 in shifted coordinates
+        c0 = torch.where(torch.isnan(c_init), lo, c_init)
+        c = torch.minimum(torch.maximum(c0, lo), hi)  # a bad warm start is clamped
+    tiny = 8.0 * torch.finfo(y.dtype).eps * hi.clamp_min(1.0)
     step1 = hi - lo  # |step| one and two iterations back (rtsafe bookkeeping)
     step2 = hi - lo
     for _ in range(n_iter):
-        s0, s1, s2 = _power_sums(d, t, beta, order=2)
-        above = s0 > 1.0  # f(t) > 0: the root lies to the right of t
-        lo = torch.where(above, t, lo)
-        hi = torch.where(above, hi, t)
-        h, h1, h2 = _h_and_derivs(s0, s1, s2, alpha)
-        new = _safeguarded_step(t, lo, hi, h, h1, h2, step2, tiny)
-        step2, step1 = step1, (new - t).abs()
-        t = new
-    return _newton_polish(d, t, alpha, lo, hi, POLISH_ITERS)
+        s0, s1, s2 = _power_sums(y, c, g, order=2)
+        above = s0 > 1.0  # mass > 1: the root lies to the right of c
+        lo = torch.where(above, c, lo)
+        hi = torch.where(above, hi, c)
+        h, h1, h2 = _log_mass(s0, s1, s2, c, g)
+        new = _safeguarded_step(c, lo, hi, h, h1, h2, step2, tiny)
+        step2, step1 = step1, (new - c).abs()
+        c = new
+    return _newton_polish(y, c, g, lo, hi, POLISH_ITERS)
 
 
-def _solve_shifted(
-    z: torch.Tensor,
+def _c_from_t(t: torch.Tensor, g: float) -> torch.Tensor:
+    """c = -log(-t) / g for a shifted threshold t < 0; t >= 0 (or NaN) maps to
+    +inf (or NaN), which the callers clamp into the bracket."""
+    return -torch.log(-t) / g
+
+
+def _solve(
+    x: torch.Tensor,
     alpha: float,
+    dim: int = -1,
     tau_init: Optional[torch.Tensor] = None,
     method: str = "auto",
     n_iter: Optional[int] = None,
 ):
-    """Threshold of z = (alpha-1) x along the last dim, in shifted form.
+    """The log-threshold of alpha-entmax of x along ``dim``.
 
-    Returns (d, m, t, n) with d = z - m, tau = m + t, n the valid counts; t is
-    +inf on all-masked rows. alpha == 1: t = logsumexp(d).
+    Returns (y, m, th, n, empty): y = x - m moved to the last dim in the solve
+    dtype (_compute_dtype), m the row max, th = (c, t, far) the threshold
+    (c [...] the log-threshold, for softmax c = logsumexp(y) and t = far =
+    None; t, far from _finish), n the valid counts, empty the all-masked rows
+    (their threshold is meaningless; callers give them tau = +inf, p = 0).
 
     ``method``: "auto" (sort for alpha in {1.5, 2}, Halley otherwise), "sort"
     (alpha in {1.5, 2} only) or "halley" (any alpha > 1); tests use it to
-    check the two algorithms against each other. ``tau_init`` is used by the
-    Halley path only.
+    check the two algorithms against each other. ``tau_init`` (a threshold
+    tau, any float dtype) is used by the Halley path only.
     """
     if method not in ("auto", "sort", "halley"):
         raise ValueError(f"unknown method {method!r}")
-    d, m, n, empty = _shift(z)
+    y, m, n, empty = _shift(x, dim, _compute_dtype(x.dtype, alpha))
+    g = alpha - 1.0
     if alpha == 1.0:
-        t = torch.logsumexp(d, dim=-1)
+        c = torch.logsumexp(y, dim=-1)
     elif method == "sort" or (method == "auto" and alpha in (1.5, 2.0)):
         if alpha == 2.0:
-            t = _sorted_prefix_threshold(d, _sparsemax_candidates)
+            t = _sorted_prefix_threshold(y * g, _sparsemax_candidates)
         elif alpha == 1.5:
-            t = _sorted_prefix_threshold(d, _entmax15_candidates)
+            t = _sorted_prefix_threshold(y * g, _entmax15_candidates)
         else:
             raise ValueError(f"the sort-based solver needs alpha in {{1.5, 2}}, got alpha={alpha}")
         # float32 cumulative sums over long supports lose a few digits: re-solve
         # on the support the sort found.
-        lo, hi = _bracket(n, alpha, d.dtype)
-        t = _newton_polish(d, t, alpha, lo, hi, POLISH_ITERS)
+        lo, hi = _c_bracket(n, y.dtype)
+        c = torch.minimum(torch.maximum(torch.nan_to_num(_c_from_t(t, g), nan=0.0), lo), hi)
+        c = _newton_polish(y, c, g, lo, hi, POLISH_ITERS)
     else:
-        t_init = None if tau_init is None else tau_init.to(d.dtype) - m
-        t = _threshold_halley(d, n, alpha, t_init, n_iter)
-    t = torch.where(empty, torch.full_like(t, float("inf")), t)
-    return d, m, t, n
+        c_init = None
+        if tau_init is not None:
+            c_init = _c_from_t(tau_init.to(y.dtype) - g * m, g)
+        c = _threshold_halley(y, n, alpha, c_init, n_iter)
+    t = far = None
+    if alpha != 1.0:
+        t, far = _finish(y, c, n, alpha)
+    return y, m, (c, t, far), n, empty
 
 
-def _probs_last(d: torch.Tensor, t: torch.Tensor, alpha: float) -> torch.Tensor:
-    """p from (shifted) scores d = (alpha-1) x - c and threshold t = tau - c, last dim."""
+def _probs(y: torch.Tensor, th, empty: torch.Tensor, alpha: float) -> torch.Tensor:
+    """p [..., n] from the shifted scores and the threshold th of _solve (zeros on all-masked rows)."""
+    c, t, far = th
     if alpha == 1.0:
-        # t = +inf on all-masked rows: exp(-inf) = 0, never NaN.
-        return torch.exp(d - t.unsqueeze(-1))
-    u = (d - t.unsqueeze(-1)).clamp_min(0.0)
-    if alpha == 2.0:
-        return u
-    if alpha == 1.5:
-        return u * u
-    on = u > 0
-    # pow on a safe copy: the gradient of u^beta at u = 0 is inf for beta < 1,
-    # and inf * 0 from a `where` would be NaN.
-    us = torch.where(on, u, torch.ones_like(u))
-    return torch.where(on, us.pow(1.0 / (alpha - 1.0)), torch.zeros_like(u))
+        c = torch.where(empty, torch.full_like(c, float("inf")), c)
+        return torch.exp(y - c.unsqueeze(-1))  # exp(-inf) = 0, never NaN
+    g = alpha - 1.0
+    return _base_power(y, c, g, t, far)[0]
+
+
+def _tau(m: torch.Tensor, th, empty: torch.Tensor, alpha: float) -> torch.Tensor:
+    """tau = m + c (softmax) or (alpha-1) m + t; +inf on all-masked rows."""
+    c, t, far = th
+    if alpha == 1.0:
+        tau = m + c
+    else:
+        g = alpha - 1.0
+        tau = g * m + torch.where(far, t, -torch.exp(-g * c))
+    return torch.where(empty, torch.full_like(tau, float("inf")), tau)
+
+
+def _support(y, th, n, alpha: float) -> torch.Tensor:
+    """int64 [...]: entries with p > 0 (softmax: every unmasked entry)."""
+    if alpha == 1.0:
+        return n
+    c, t, far = th
+    _, _, on = _base_power(y, c, alpha - 1.0, t, far)
+    return on.sum(-1)
+
+
+def _entmax_and_threshold(
+    x: torch.Tensor, alpha: float, tau_init: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """alpha-entmax along the last dim of x and its threshold, from one solve.
+
+    The one implementation behind entmax() and the decode reference
+    (entmaxkv.attention.attend). ``alpha`` is already checked and effective
+    (_check_alpha). Returns p [..., n] and tau [...] in the solve dtype
+    (_compute_dtype(x.dtype, alpha)); p is built from the shifted scores and
+    the log-threshold, never from tau. No autograd graph, no host sync.
+    """
+    with torch.no_grad():
+        if x.shape[-1] == 0:
+            dt = _compute_dtype(x.dtype, alpha)
+            p = torch.zeros(x.shape, dtype=dt, device=x.device)
+            return p, torch.full(x.shape[:-1], float("inf"), dtype=dt, device=x.device)
+        y, m, th, _, empty = _solve(x, alpha, -1, tau_init)
+        return _probs(y, th, empty, alpha), _tau(m, th, empty, alpha)
 
 
 def _threshold_impl(x, alpha, dim=-1, tau_init=None, method="auto", n_iter=None):
     """entmax_threshold with the solver choice exposed (for tests)."""
     alpha = _check_alpha(alpha)
+    out_dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     with torch.no_grad():
-        z = _scaled_scores(x, alpha, dim)
-        if z.shape[-1] == 0:
-            shape = z.shape[:-1]
+        if x.shape[dim] == 0:
+            shape = x.movedim(dim, -1).shape[:-1]
             return (
-                torch.full(shape, float("inf"), dtype=z.dtype, device=z.device),
-                torch.zeros(shape, dtype=torch.int64, device=z.device),
+                torch.full(shape, float("inf"), dtype=out_dt, device=x.device),
+                torch.zeros(shape, dtype=torch.int64, device=x.device),
             )
-        d, m, t, n = _solve_shifted(z, alpha, tau_init, method, n_iter)
-        if alpha == 1.0:
-            support = n  # every unmasked entry has exp(x - tau) > 0 in exact arithmetic
-        else:
-            support = (d > t.unsqueeze(-1)).sum(-1)
-    return m + t, support
+        y, m, th, n, empty = _solve(x, alpha, dim, tau_init, method, n_iter)
+        support = _support(y, th, n, alpha)
+        return _tau(m, th, empty, alpha).to(out_dt), support
 
 
 # --------------------------------------------------------------------------
@@ -446,11 +567,24 @@ def entmax_from_tau(
     dim = _check_scores(x, dim)
     check_reduced_shape(tau, "tau", x, dim)
     alpha = _check_alpha(alpha)
-    cdt = torch.float64 if torch.float64 in (x.dtype, tau.dtype) else torch.float32
+    cdt = _compute_dtype(torch.float64 if torch.float64 in (x.dtype, tau.dtype) else x.dtype, alpha)
     z = x.movedim(dim, -1).to(cdt)
-    if alpha != 1.0:
-        z = z * (alpha - 1.0)
-    p = _probs_last(z, tau.to(cdt), alpha)
+    t = tau.to(cdt)
+    if alpha == 1.0:
+        p = torch.exp(z - t.unsqueeze(-1))  # tau = +inf gives zeros
+    else:
+        # Shift by the row max before scaling: (alpha-1) x may overflow where
+        # (alpha-1) (x - max) does not. The max is detached: the shift cancels
+        # in u = (alpha-1) x - tau, so it carries no gradient.
+        valid = z > float("-inf")
+        m = torch.where(valid.any(-1), z.amax(-1), torch.zeros_like(t)).detach()
+        g = alpha - 1.0
+        u = (z - m.unsqueeze(-1)) * g - (t - g * m).unsqueeze(-1)
+        on = u > 0
+        # pow on a safe copy: the gradient of u^beta at u = 0 is inf for beta < 1,
+        # and inf * 0 from a `where` would be NaN.
+        us = torch.where(on, u, torch.ones_like(u))
+        p = torch.where(on, us.pow(1.0 / g), torch.zeros_like(u))
     return p.movedim(-1, dim).to(x.dtype)
 
 
@@ -465,11 +599,9 @@ class _EntmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, alpha: float, dim: int) -> torch.Tensor:
-        z = _scaled_scores(x, alpha, dim)
-        if z.shape[-1] == 0:
+        if x.shape[dim] == 0:
             return x.clone()
-        d, _, t, _ = _solve_shifted(z, alpha)
-        p = _probs_last(d, t, alpha)
+        p, _ = _entmax_and_threshold(x.movedim(dim, -1), alpha)
         return p.movedim(-1, dim).to(x.dtype)
 
     @staticmethod
@@ -485,7 +617,7 @@ class _EntmaxFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         (p,) = ctx.saved_tensors
         alpha, dim = ctx.alpha, ctx.dim
-        cdt = _compute_dtype(p.dtype)
+        cdt = _compute_dtype(p.dtype, alpha)  # p^(2-alpha) overflows float32 for alpha > 2
         pc = p.to(cdt)
         dyc = dy.to(cdt)
         if alpha == 1.0:

@@ -1,12 +1,18 @@
 """The numeric range EntmaxKV supports, in one place (docs/limits.md).
 
-Constants only here at first; the checks that enforce them live beside the
-arguments they check (decode, entmax, the policies) and import these names,
-so that the documented range and the enforced one cannot drift apart.
+The constants and the two alpha helpers live here; the other checks that
+enforce them live beside the arguments they check (decode, entmax, the
+policies) and import these names, so that the documented range and the
+enforced one cannot drift apart.
 """
 from __future__ import annotations
 
-__all__ = ["ALPHA_MAX", "SOFTMAX_BELOW", "FLOAT64_ABOVE", "POSITION_MAX"]
+from ._checks import as_float
+
+__all__ = [
+    "ALPHA_MAX", "SOFTMAX_BELOW", "FLOAT64_ABOVE", "POSITION_MAX",
+    "check_alpha", "effective_alpha",
+]
 
 # alpha in [1, ALPHA_MAX]. Past it the support of a float32 problem can sit
 # closer to the row max than float32 can resolve even after the shift, and
@@ -26,3 +32,21 @@ FLOAT64_ABOVE = 2.0
 
 # ALiBi positions are converted to float32; integers are exact there up to 2^24.
 POSITION_MAX = 2 ** 24
+
+
+def check_alpha(alpha, name: str = "alpha") -> float:
+    """``alpha`` as a Python float in [1, ALPHA_MAX], else ValueError.
+
+    Python and NumPy ints and floats are accepted; bool, strings, tensors
+    (reading one would be a host synchronisation), NaN and inf are not. The
+    message names ``name`` and the supported range.
+    """
+    return as_float(alpha, name, lo=1.0, hi=ALPHA_MAX)
+
+
+def effective_alpha(alpha: float) -> float:
+    """The alpha that is run: 1.0 (softmax) when alpha - 1 < SOFTMAX_BELOW, else alpha.
+
+    ``alpha`` must already be checked (a Python float >= 1).
+    """
+    return 1.0 if alpha - 1.0 < SOFTMAX_BELOW else alpha

@@ -20,7 +20,8 @@ from .attention import attend, selection_mask
 from .cache import PagedKVCache
 from .gaussian import normal_icdf, pooled_moments, solve_tau_hat
 from .scoring import PageLayout, bound_slack, gaussian_stats, page_layout, quest_bounds
-from ._checks import as_float, as_int, describe
+from ._checks import as_int, describe
+from .limits import SOFTMAX_BELOW, check_alpha, effective_alpha
 from .types import POLICIES, Certified, Full, Gaussian, Policy, Selection, TopK  # noqa: F401 (re-exported)
 from .types import check_policy_fields
 
@@ -32,23 +33,26 @@ def check_policy(policy, *, alpha: float, page_size: int) -> None:
     The fields were checked when the policy was built; they are checked
     again here because a frozen dataclass can still be changed around its
     constructor. What depends on the call is new: TopK budgets of at least
-    one page, and entmax (alpha > 1) for Gaussian and Certified.
+    one page, alpha in [1, ALPHA_MAX] (limits.check_alpha), and entmax for
+    Gaussian and Certified (whatever its seed): they raise a ValueError
+    naming ``alpha`` when the effective alpha is 1 (softmax, which includes
+    alpha < 1 + SOFTMAX_BELOW; limits.effective_alpha).
     """
     if not isinstance(policy, (Full, TopK, Gaussian, Certified)):
         raise ValueError(
             f"policy: expected a Full, TopK, Gaussian or Certified instance, got {describe(policy)}"
         )
-    alpha = as_float(alpha, "alpha", lo=1.0)
+    alpha = effective_alpha(check_alpha(alpha))
     page_size = as_int(page_size, "page_size", lo=1)
     check_policy_fields(policy, "policy")
     if isinstance(policy, TopK) and policy.budget < page_size:
         raise ValueError(
             f"policy.budget: expected an int >= page_size ({page_size}), got {policy.budget!r}"
         )
-    if isinstance(policy, (Gaussian, Certified)) and alpha <= 1.0:
+    if isinstance(policy, (Gaussian, Certified)) and alpha == 1.0:
         raise ValueError(
-            f"policy: {policy.name} needs entmax (alpha > 1); softmax (alpha = 1) has no "
-            "sparse support to find: use Full or TopK"
+            f"alpha: {policy.name} needs entmax (alpha >= 1 + {SOFTMAX_BELOW:g}); alpha runs as "
+            "softmax here, which has no sparse support to find: use Full or TopK"
         )
     if isinstance(policy, Certified):
         if isinstance(policy.seed, TopK) and policy.seed.budget < page_size:

@@ -183,6 +183,10 @@ class Gaussian:
         pooled: bool, one pooled Gaussian for the whole row instead of the
             page mixture when solving for tau_hat (cheaper, coarser).
         sinks, window, per_query_head: as for TopK.
+
+    Needs entmax: decode (check_policy) raises a ValueError naming ``alpha``
+    when alpha runs as softmax (alpha = 1, or alpha - 1 < 2^-33,
+    entmaxkv.limits.effective_alpha).
     """
 
     q_max: float = 0.995
@@ -211,6 +215,10 @@ class Certified:
     Attributes:
         seed: a TopK or Gaussian policy (default TopK(1024)).
         sinks, window, per_query_head: as for TopK.
+
+    Needs entmax, whatever the seed: decode (check_policy) raises a
+    ValueError naming ``alpha`` when alpha runs as softmax (alpha = 1, or
+    alpha - 1 < 2^-33, entmaxkv.limits.effective_alpha).
     """
 
     seed: Union[TopK, Gaussian] = field(default_factory=lambda: TopK(1024))

@@ -241,15 +241,14 @@ def test_warm_start_converges_to_same_tau(alpha):
 
 @pytest.mark.parametrize("alpha", [1.25, 3.0], ids=lambda a: f"alpha={a}")
 def test_default_iteration_count_converges(alpha):
-    """The fixed default count reaches what 200 iterations reach, and the loop
-    matters: without it (only the final Newton re-solve) tau is wrong."""
+    """The fixed default count reaches what 200 iterations reach. (Newton on
+    log S0 in the log-threshold converges from the bracket's end within the
+    final re-solve on these rows, so n_iter=0 is no longer wrong here.)"""
     spaced = -torch.logspace(-8, 1, 1000, dtype=torch.float64)[None]  # scales 1e-8..10
     for x in (make_rows("random", 1001), spaced):
         tau, _ = entmax_threshold(x, alpha)
         tau_long, _ = _threshold_impl(x, alpha, n_iter=200)
-        rough, _ = _threshold_impl(x, alpha, n_iter=0)
         assert torch.allclose(tau, tau_long, atol=1e-14, rtol=0)
-        assert (rough - tau).abs().max().item() > 1e-6
         assert (entmax(x, alpha).sum(-1) - 1).abs().max().item() <= 1e-12
 
 
