@@ -23,7 +23,8 @@ Conventions shared by every function here:
   exp(x_i - tau), is exactly 0), its support is 0 and its probabilities are
   zeros -- never NaN.
 * Entries equal to +inf or NaN are not supported (the result is undefined).
-* The solve runs in float32 for float16 / bfloat16 / float32 inputs and in
+* The solve runs in float32 for float16 / bfloat16 / float32 inputs (float64
+  for alpha > FLOAT64_ABOVE, docs/limits.md) and in
   float64 for float64 inputs: an fp16 threshold is wrong at long context.
 * Nothing here calls ``.item()`` or branches in Python on tensor *values*
   (only on shapes, dtypes and the Python float ``alpha``), so every function
@@ -519,7 +520,8 @@ def entmax_threshold(
 
     Args:
         x: float tensor [..., n, ...] of scores; -inf entries are masked.
-        alpha: Python float >= 1 (1: softmax, 1.5: entmax-1.5, 2: sparsemax).
+        alpha: number in [1, ALPHA_MAX] (1: softmax, 1.5: entmax-1.5, 2: sparsemax;
+            softmax below 1 + SOFTMAX_BELOW; docs/limits.md).
         dim: the dimension that holds a distribution.
         tau_init: optional warm start, same shape as the returned tau. Used by
             the iterative (alpha not in {1, 1.5, 2}) solver only; it is clamped
@@ -557,7 +559,7 @@ def entmax_from_tau(
         x: float tensor [..., n, ...]; -inf entries give p = 0.
         tau: x's shape with ``dim`` removed (any float dtype); +inf gives a row
             of zeros.
-        alpha: Python float >= 1.
+        alpha: number in [1, ALPHA_MAX] (docs/limits.md).
         dim: the distribution dimension.
 
     Returns:
@@ -647,7 +649,7 @@ def entmax(x: torch.Tensor, alpha: float, dim: int = -1) -> torch.Tensor:
     Args:
         x: float tensor [..., n, ...] (float16/bfloat16/float32/float64);
             -inf entries are masked (p = 0).
-        alpha: Python float >= 1.
+        alpha: number in [1, ALPHA_MAX] (docs/limits.md).
         dim: the distribution dimension.
 
     Returns:
