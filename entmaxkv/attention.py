@@ -139,24 +139,40 @@ def certify(
     page passes this test. Softmax (alpha = 1) has full support: certified
     only when nothing was left out.
 
+    The test only proves something about finite numbers, so a head is also
+    refused when its tau is not finite or when the bound (ub + slack) of any
+    of its valid pages, kept or not, is not finite: a non-finite bound comes
+    from a non-finite key (or query), where full-cache attention itself is
+    not finite. NaN fails every comparison here, so it can never pass as a
+    proof. The output and the query are checked by ``finite_rows``; decode
+    reports ``certify(...) & finite_rows(out, q)``.
+
     Args:
         ub: float [B, HQ, M] Quest bounds (-inf past the end).
         sel: the Selection used; tau: float [B, HQ] exact thresholds over it.
         seq_lens: int [B]; slack: optional float [B, HQ, M] rounding allowance.
     Returns:
-        bool [B, HQ].
+        bool [B, HQ] (a device tensor: nothing is read on the host).
     """
     B, HQ, M = ub.shape
     S = sel.sel_heads
     keep = selection_mask(sel, M).repeat_interleave(HQ // S, dim=1)  # [B, HQ, M]
     first = torch.arange(M, device=ub.device) * page_size
-    valid = first[None, :] < seq_lens.long()[:, None]  # [B, M]
-    left_out = valid[:, None, :] & ~keep
-    if alpha == 1.0:
-        return ~left_out.any(-1)
+    valid = (first[None, :] < seq_lens.long()[:, None])[:, None, :]  # [B, 1, M]
+    left_out = valid & ~keep
     bound = ub if slack is None else ub + slack
+    finite = torch.isfinite(tau) & (torch.isfinite(bound) | ~valid).all(-1)
+    if alpha == 1.0:
+        return finite & ~left_out.any(-1)
     safe = (alpha - 1.0) * bound <= tau[..., None]
-    return (safe | ~left_out).all(-1)
+    return finite & (safe | ~left_out).all(-1)
+
+
+def finite_rows(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """bool [B, HQ]: the head's output row out [B, HQ, D] and its query q
+    [B, HQ, D] are finite (the rest of the certificate's inputs; one
+    reduction over each, on the device)."""
+    return torch.isfinite(out).all(-1) & torch.isfinite(q).all(-1)
 
 
 def selection_mask(sel: Selection, M: int) -> torch.Tensor:

@@ -212,7 +212,7 @@ def decode(
         o = out
     if not return_stats:
         return o
-    return o, step_stats(ops, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slopes)
+    return o, step_stats(ops, cache, ids, sel, o, tau, ub, alpha, HQ, q, scale, slopes)
 
 
 def run_step(ops: Backend, policy, q, cache, ids, alpha, scale, slopes, *, need_bounds=False):
@@ -233,8 +233,14 @@ def run_step(ops: Backend, policy, q, cache, ids, alpha, scale, slopes, *, need_
     return sel, o, tau, ub
 
 
-def step_stats(ops: Backend, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slopes) -> DecodeStats:
-    """Per-query-head statistics and the exactness certificate."""
+def step_stats(ops: Backend, cache, ids, sel, out, tau, ub, alpha, HQ, q, scale, slopes) -> DecodeStats:
+    """Per-query-head statistics and the exactness certificate.
+
+    ``certified`` is ``ops.certify`` (the bounds and tau are finite and the
+    bounds prove every left-out page empty of support) and the head's output
+    ``out`` and query ``q`` are finite: a few reductions over tensors the
+    step already has, all on the device (no host synchronisation).
+    """
     lay = scoring.page_layout(cache, ids)
     M = lay.n_tok.shape[1]
     S = sel.sel_heads
@@ -245,4 +251,5 @@ def step_stats(ops: Backend, cache, ids, sel, tau, ub, alpha, HQ, q, scale, slop
     coverage = (tokens_read.to(torch.float32) / lay.seq_len[:, None].clamp(min=1).to(torch.float32))
     slack = scoring.bound_slack(q, cache, ids, scale=scale, slopes=slopes, layout=lay)
     certified = ops.certify(ub, sel, tau, alpha, lay.seq_len, page_size=cache.page_size, slack=slack)
+    certified = certified & attention.finite_rows(out, q)
     return DecodeStats(pages_read, tokens_read, coverage, tau.to(torch.float32), certified)

@@ -90,6 +90,42 @@ def compact(keep: torch.Tensor, width: Optional[int] = None) -> Selection:
     return Selection(pages.to(torch.int32), counts)
 
 
+def topk_rank(ub: torch.Tensor, forced: torch.Tensor, S: int) -> torch.Tensor:
+    """float [B, S, M]: the rank of each page for top-k selection.
+
+    A page ranks by its largest bound over the query heads that share the
+    selection row. A NaN bound (a non-finite key or query) ranks as -inf, so
+    every page with a finite bound wins over it; a +inf bound ranks as the
+    largest finite value, so it never ties with the forced pages, which rank
+    +inf and therefore always come first. Pages past the end keep their -inf.
+    """
+    rank = torch.where(torch.isnan(ub), torch.full_like(ub, float("-inf")), ub)
+    rank = _by_selection_head(rank, S).amax(2).clamp(max=torch.finfo(ub.dtype).max)
+    return torch.where(forced, torch.full_like(rank, float("inf")), rank)
+
+
+def topk_keep(ub: torch.Tensor, forced: torch.Tensor, lay: PageLayout, S: int, k_pages: int,
+              width: int) -> torch.Tensor:
+    """bool [B, S, M]: the pages TopK keeps, from bounds ub [B, HQ, M].
+
+    Each row keeps min(max(forced pages, k_pages), pages in use) pages, the
+    forced ones first, then by ``topk_rank``. The sort is stable, so among
+    equal ranks the lower page comes first: a valid page whose bound was NaN
+    (rank -inf) still precedes the pages past the end (also -inf), and a row
+    is never left with fewer pages than it should keep (never empty: its
+    last page is forced).
+    """
+    B, _, M = forced.shape
+    rank = topk_rank(ub, forced, S)
+    order = rank.sort(dim=-1, descending=True, stable=True).indices[..., :width]
+    count = torch.minimum(
+        torch.clamp(forced.sum(-1), min=k_pages), lay.num_pages[:, None].expand(B, S)
+    )
+    keep = torch.zeros(B, S, M, dtype=torch.bool, device=ub.device)
+    keep.scatter_(2, order, torch.arange(width, device=ub.device) < count[..., None])
+    return keep
+
+
 def _by_selection_head(x: torch.Tensor, S: int) -> torch.Tensor:
     """[B, HQ, M] -> [B, S, G', M] with G' = HQ // S heads per selection head."""
     B, HQ, M = x.shape
@@ -134,22 +170,10 @@ def select(
     if isinstance(policy, TopK):
         if ub is None:
             ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
-        # Rank a page by its best bound over the heads that share the selection.
-        rank = _by_selection_head(ub, S).amax(2)  # [B, S, M]
-        rank = torch.where(forced, torch.full_like(rank, float("inf")), rank)
         k_pages = max(policy.budget // cache.page_size, 1)
         n_forced_max = 1 + policy.sinks + policy.window
         width = min(M, max(k_pages, n_forced_max))
-        top = rank.topk(width, dim=-1)
-        # Forced pages (+inf) rank first: the kept entries are a prefix.
-        n_forced = forced.sum(-1)
-        count = torch.minimum(
-            torch.clamp(n_forced, min=k_pages), (top.values > float("-inf")).sum(-1)
-        )
-        keep = torch.zeros(B, S, M, dtype=torch.bool, device=q.device)
-        in_prefix = torch.arange(width, device=q.device) < count[..., None]
-        keep.scatter_(2, top.indices, in_prefix)
-        return compact(keep, width)
+        return compact(topk_keep(ub, forced, lay, S, k_pages, width), width)
 
     if isinstance(policy, Gaussian):
         return _select_gaussian(policy, q, cache, seq_ids, lay, forced, S, alpha, scale, slopes)
