@@ -16,7 +16,8 @@ Kernels:
   differ from the certified policy's).
 * ``_cert_augment_kernel``: kept = mask | forced | (any head: (alpha-1) ub > tau),
   compacted into a Selection with one atomic per block (unsorted pages).
-* ``_cert_certify_kernel``: per query head, is any valid unselected page unsafe?
+* ``_cert_certify_kernel``: per query head, is any valid unselected page not
+  proven empty of support, or any valid page's bound or the tau not finite?
 """
 from __future__ import annotations
 
@@ -110,15 +111,20 @@ def _cert_certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_pt
     m_v = (o_m < M) & (o_m.to(tl.int64) * P < n)
     kept = tl.load(mask_ptr + (i_b * S + i_s).to(tl.int64) * M + o_m, mask=o_m < M, other=0) != 0
     left = m_v & (kept == 0)
+    # every valid page's bound is read: a non-finite one (kept or not) means a
+    # non-finite key or query, and so does a non-finite tau (attention.certify)
+    o_u = i_r.to(tl.int64) * M + o_m
+    b_ub = tl.load(ub_ptr + o_u, mask=m_v, other=float("-inf"))
+    if HAS_SLACK:
+        b_ub += tl.load(slack_ptr + o_u, mask=m_v, other=0.0)
+    tau = tl.load(tau_ptr + i_r) + tl.zeros_like(b_ub)  # (a block: every test below is elementwise)
+    ok = (tl.abs(b_ub) < float("inf")) | (m_v == 0)  # NaN fails the comparison too
+    bad = (ok & (tl.abs(tau) < float("inf"))) == 0
     if SOFTMAX:
-        viol = left
+        viol = bad | left
     else:
-        o_u = i_r.to(tl.int64) * M + o_m
-        b_ub = tl.load(ub_ptr + o_u, mask=left, other=float("-inf"))
-        if HAS_SLACK:
-            b_ub += tl.load(slack_ptr + o_u, mask=left, other=0.0)
-        tau = tl.load(tau_ptr + i_r)
-        viol = left & (am1 * b_ub > tau)
+        # "not proven" rather than "unsafe": NaN never passes as a proof
+        viol = bad | (left & ~(am1 * b_ub <= tau))
     tl.atomic_max(viol_ptr + i_r, tl.max(viol.to(tl.int32), axis=0), sem=ATOMIC_SEM)
 
 
@@ -217,7 +223,9 @@ def certify(
 
     Triton twin of ``entmaxkv.attention.certify``: True when every valid
     unselected page has (alpha-1) * (ub + slack) <= tau (softmax: when no
-    valid page was left out).
+    valid page was left out), tau is finite and the bound of every valid
+    page is finite (NaN never passes). The output and query are checked
+    by ``entmaxkv.attention.finite_rows``.
 
     Args:
         ub: float [batch, q_heads, M] Quest bounds (-inf past the end).

@@ -11,8 +11,10 @@ from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402
 from entmaxkv import attention as RA  # noqa: E402
 from entmaxkv import policies as RP  # noqa: E402
 from entmaxkv import scoring as RS  # noqa: E402
-from entmaxkv.testing import KERNEL_TOL as TOL, page_sets, rel_err  # noqa: E402
+from entmaxkv.testing import DEVICE as DEV, KERNEL_TOL as TOL, page_sets, rel_err  # noqa: E402
 from entmaxkv.testing import random_case as case  # noqa: E402
+from entmaxkv.cache import PagedKVCache  # noqa: E402
+from entmaxkv.types import Selection  # noqa: E402
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -70,3 +72,146 @@ def test_decode_dispatches_to_kernels():
         assert rel_err(out, ref) < 1e-4, pol
         if not isinstance(pol, Gaussian):
             assert torch.equal(st.certified.cpu(), rst.certified.cpu()), pol
+
+
+# non-finite data and the certificate
+# ---------------------------------------------------------------------------
+# (the float64 truth and the bad caches as in tests/test_certificate.py, small
+# enough for the interpreter)
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+def _entmax64(s, alpha):
+    """alpha-entmax (alpha = 1: softmax) of finite float64 scores [n], by bisection on tau."""
+    if alpha == 1.0:
+        return torch.softmax(s, 0)
+    x = (alpha - 1.0) * s
+    lo, hi = float(x.max()) - 1.0, float(x.max())
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if float((x - mid).clamp(min=0).pow(1.0 / (alpha - 1.0)).sum()) >= 1.0:
+            lo = mid
+        else:
+            hi = mid
+    p = (x - lo).clamp(min=0).pow(1.0 / (alpha - 1.0))
+    return p / p.sum()
+
+
+def _truth(q, cache, seqs, alpha, scale):
+    """float64 [B, HQ, D] full-cache attention over the stored keys / values,
+    NaN where it is not defined (a non-finite score or support value)."""
+    B, HQ, D = q.shape
+    G = HQ // cache.kv_heads
+    out = torch.full((B, HQ, D), _NAN, dtype=torch.float64)
+    for b, seq in enumerate(seqs):
+        k, v = (t.double().cpu() for t in cache.gather(seq))
+        for h in range(HQ):
+            s = scale * (k[:, h // G] @ q[b, h].double().cpu())
+            if bool(torch.isfinite(s).all()):
+                p = _entmax64(s, alpha)
+                vs = v[p > 0, h // G]
+                if bool(torch.isfinite(vs).all()):
+                    out[b, h] = p[p > 0] @ vs
+    return out
+
+
+def _bad_case(kind, where, P, G, dtype, seed=0, H=2, D=16):
+    """Two sequences; row 0 holds one bad value of KV head 0 (kind "nan-k",
+    "nan-kv", "nan-v", "inf-k", "overflow": 1e5 in a float16 key, or "nan-q"
+    in query head 0) in its last page ("kept") or page 0 ("dropped")."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [5 * P + 2, 3 * P]
+    cache = PagedKVCache(sum(-(-n // P) for n in lens) + 2, P, H, D, max_seqs=2, dtype=dtype, device=DEV)
+    q = torch.randn(2, H * G, D, generator=gen) * 1.5
+    seqs = []
+    for b, n in enumerate(lens):
+        k = torch.randn(n, H, D, generator=gen) * 1.5
+        v = torch.randn(n, H, D, generator=gen)
+        if b == 0 and kind != "nan-q":
+            j = n - 1 if where == "kept" else 1
+            if kind in ("nan-k", "nan-kv"):
+                k[j, 0, 3] = _NAN
+            if kind in ("nan-v", "nan-kv"):
+                v[j, 0, 5] = _NAN
+            if kind == "inf-k":
+                k[j, 0, 3] = _INF
+            if kind == "overflow":
+                k[j, 0, 3] = 1e5
+        seqs.append(cache.allocate(k.to(DEV), v.to(DEV), check_finite=False))
+    if kind == "nan-q":
+        q[0, 0, 2] = _NAN
+    return cache, seqs, q.to(dtype).to(DEV)
+
+
+_KTOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("P,G,dtype,kind,where", [
+    (1, 1, torch.float32, "nan-k", "kept"), (3, 2, torch.float32, "nan-kv", "dropped"),
+    (16, 4, torch.float16, "overflow", "kept"), (3, 4, torch.float16, "inf-k", "dropped"),
+    (16, 1, torch.float32, "nan-q", "kept"), (1, 2, torch.float16, "nan-v", "kept"),
+], ids=["p1-g1-f32-nan-kept", "p3-g2-f32-nankv-dropped", "p16-g4-f16-overflow-kept",
+        "p3-g4-f16-inf-dropped", "p16-g1-f32-nanq", "p1-g2-f16-nanv-kept"])
+def test_decode_kernels_non_finite_never_certified(P, G, dtype, kind, where):
+    """decode(backend="triton") with NaN / inf in the cache (stored with
+    check_finite=False; a float16 key that overflows) or in q
+    (check_finite=False): no head with a non-finite output is certified,
+    and every certified head equals the float64 full-cache truth. The
+    attention kernels may turn a NaN key into a finite output; the bounds
+    of that page are NaN, so the certificate still refuses the head. Every
+    selection keeps its row's last page."""
+    cache, seqs, q = _bad_case(kind, where, P, G, dtype, seed=P + G)
+    ids = torch.tensor(seqs, dtype=torch.int32, device=DEV)
+    scale, bad = 0.25, (1 if kind == "nan-q" else G)
+    for pol, alpha in [(Full(), 1.5), (TopK(2 * P), 1.0), (Certified(seed=TopK(2 * P)), 2.0), (Gaussian(), 1.5)]:
+        out, st = decode(q, cache, ids, pol, alpha=alpha, scale=scale, return_stats=True, check_finite=False,
+                         backend="triton")
+        truth = _truth(q, cache, seqs, alpha, scale)
+        cert = st.certified.cpu()
+        assert not bool((cert & ~torch.isfinite(out.cpu()).all(-1)).any()), pol
+        assert not bool((cert & ~torch.isfinite(truth).all(-1)).any()), pol
+        for b, h in cert.nonzero().tolist():
+            err = float((out[b, h].cpu().double() - truth[b, h]).abs().max())
+            assert err <= _KTOL[dtype] * max(1.0, float(truth[b, h].abs().max())), (pol, b, h, err)
+        if kind != "nan-v":
+            assert not bool(cert[0, :bad].any()), pol
+        if isinstance(pol, (Full, Certified)):
+            assert bool(cert[1].all()), pol  # the clean row keeps its certificate
+        assert bool((st.pages_read >= 1).all()), pol
+        sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale)
+        last = [[(n + P - 1) // P - 1 in s for s in row] for row, n in zip(page_sets(sel), [5 * P + 2, 3 * P])]
+        assert all(all(r) for r in last), pol
+
+
+def test_certify_kernel_refuses_non_finite_inputs():
+    """K.certify against attention.certify with NaN / +-inf bounds (kept and
+    left-out pages, and pages past the end), slack and tau, for entmax and
+    softmax: the same flags, and no head certified with a non-finite tau or
+    a non-finite bound on a valid page."""
+    gen = torch.Generator().manual_seed(4)
+    B, HQ, M, P = 3, 4, 9, 2
+    lens = torch.tensor([17, 9, 2], device=DEV)
+    ub = torch.randn(B, HQ, M, generator=gen)
+    slack = torch.rand(B, HQ, M, generator=gen) * 1e-3
+    tau = torch.randn(B, HQ, generator=gen) + 4.0  # most pages provably out
+    for x, n in ((ub, 14), (slack, 4)):
+        flat = x.view(-1)
+        flat[torch.randint(0, flat.numel(), (n,), generator=gen)] = torch.tensor([_NAN, _INF, -_INF])[
+            torch.arange(n) % 3]
+    tau[1, 2], tau[2, 0], tau[0, 3] = _NAN, _INF, -_INF
+    sel = Selection(torch.randint(0, M, (B, 2, 3), generator=gen, dtype=torch.int32),
+                    torch.tensor([[3, 2], [1, 3], [2, 0]], dtype=torch.int32))
+    sel_d = Selection(sel.pages.to(DEV), sel.counts.to(DEV))
+    for alpha in (1.0, 1.5, 2.0):
+        for sl in (None, slack):
+            got = K.certify(ub.to(DEV), sel_d, tau.to(DEV), alpha, lens, page_size=P,
+                            slack=None if sl is None else sl.to(DEV)).cpu()
+            want = RA.certify(ub, sel, tau, alpha, lens.cpu(), page_size=P, slack=sl)
+            assert torch.equal(got, want), (alpha, sl is None)
+            bound = ub if sl is None else ub + sl
+            valid = (torch.arange(M) * P < lens.cpu()[:, None])[:, None, :]
+            fin = torch.isfinite(tau) & (torch.isfinite(bound) | ~valid).all(-1)
+            assert not bool((got & ~fin).any())
+            assert bool(got.any()) or alpha == 1.0  # not trivially all refused

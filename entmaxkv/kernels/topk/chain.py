@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .._common import pdl_start
 from ..scoring import load_queries, page_bounds, page_rows
-from .search import INT32_MIN, _group_lb, _keep_mask, kth_largest, row_budget, sortable_key
+from .search import INT32_MIN, _group_lb, _keep_mask, kth_largest, page_rank, row_budget, sortable_key
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _topk_chunk_kernel(
             if WRITE_UB:  # the certified policy's safe bound: u + rounding slack
                 o_u = ((i_b * HQ + h0 + o_g).to(tl.int64) * M)[:, None] + o_m[None, :]
                 tl.store(ub_ptr + o_u, b_u + b_slack, mask=m_g[:, None] & (o_m < M)[None, :])
-            b_rank = tl.max(tl.where(m_g[:, None], b_u, float("-inf")), axis=0)
+            b_rank = tl.max(tl.where(m_g[:, None], page_rank(b_u), float("-inf")), axis=0)
             forced = (o_m < sinks) | (o_m >= npages - wnd)
             b_rank = tl.where(forced, float("inf"), b_rank)
             b_key = tl.where(m_v, sortable_key(b_rank), INT32_MIN)

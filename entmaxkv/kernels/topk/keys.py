@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .._common import grid_ids, pdl_start, publish, store_b32
 from ..scoring import page_rows
-from .search import INT32_MIN, _gmax_block, row_budget, sortable_key
+from .search import INT32_MIN, _gmax_block, page_rank, row_budget, sortable_key
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _keys_chunk(
             tl.store(ub_ptr + o_row[None, :] * M + o_m[:, None], b_u + b_slack,
                      mask=(o_m < M)[:, None] & m_h[None, :])
         forced = (o_m < sinks) | (o_m >= npages - wnd)
-        b_rank = tl.where(forced[:, None], float("inf"), b_u)
+        b_rank = tl.where(forced[:, None], float("inf"), page_rank(b_u))
         b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
         store_b32(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, (o_m < MK)[:, None] & m_h[None, :], AS_IS)
 

@@ -1,7 +1,11 @@
 """Jit searches over int32 rank keys, shared by the top-k kernels.
 
 A float32 rank maps to an int32 key with the same order (``sortable_key``);
-forced pages rank +inf (INF_KEY), pages past the end are INT32_MIN.
+forced pages rank +inf (INF_KEY), pages past the end are INT32_MIN. A bound
+becomes a rank through ``page_rank`` (NaN -> -inf, +inf -> the largest
+finite float), so NaN never reaches a key (a positive NaN's bits would sort
+above INF_KEY, a negative one's below -inf) and no bound ties with a forced
+page: the forced pages are always kept and a row is never empty.
 """
 from __future__ import annotations
 
@@ -12,6 +16,17 @@ import triton.language as tl
 # Module constants because jit functions read them as globals (fixed at compile time).
 INT32_MIN = tl.constexpr(-2147483648)  # the key of pages past the end
 INF_KEY = tl.constexpr(0x7F800000)  # sortable_key(+inf): forced pages
+
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite float32
+
+
+@triton.jit
+def page_rank(b_u):
+    """A page bound as a rank (the reference's policies.topk_rank): NaN ranks
+    -inf (after every finite bound), +inf ranks as the largest finite float
+    (below the forced pages' +inf)."""
+    return tl.where(b_u == b_u, tl.minimum(b_u, FLT_MAX), float("-inf"))
 
 
 @triton.jit
