@@ -123,8 +123,11 @@ def page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m, pos_q, kvh
     m_k = m_v[:, None] & m_d[None, :]
     b_kmax = tl.load(kmax_ptr + o_p[:, None] + o_d[None, :], mask=m_k, other=0.0)
     b_kmin = tl.load(kmin_ptr + o_p[:, None] + o_d[None, :], mask=m_k, other=0.0)
-    b_qp = tl.maximum(b_q, 0.0)
-    b_qn = tl.minimum(b_q, 0.0)
+    # the positive / negative parts by tl.where, not tl.maximum / tl.minimum,
+    # which may drop a NaN: a NaN query keeps NaN bounds, as torch.clamp in
+    # the reference (scoring.quest_bounds) gives, so top-k ranks them last
+    b_qp = tl.where(b_q < 0.0, 0.0, b_q)
+    b_qn = tl.where(b_q > 0.0, 0.0, b_q)
     b_u = _gdot(b_qp, b_kmax, USE_DOT, DOT_F32, PREC) + _gdot(b_qn, b_kmin, USE_DOT, DOT_F32, PREC)
     b_u = b_u * scale
     if HAS_ALIBI:

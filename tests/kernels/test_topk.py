@@ -425,3 +425,71 @@ def test_topk_all_heads_with_unpacked_statistics():
     assert page_sets(sel) == page_sets(ref)
 
 
+
+
+# non-finite bounds
+# ---------------------------------------------------------------------------
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+def _non_finite_case(P, G, n_long, dtype=torch.float16, H=2, D=16, seed=3):
+    """Four rows of KV head 0 with bad bounds (stored with check_finite=False):
+    row 0 (n_long tokens, odd) NaN keys in five pages (page 0 and the last
+    among them) and +inf in two others, row 1 NaN in query head 0 (its whole
+    row of bounds NaN), row 2 three clean tokens, row 3 every key NaN.
+    Returns (cache, ids int32 [4], q [4, H*G, D], lens)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [n_long, n_long // 2 + 1, 3, 4 * P + 1]
+    cache = PagedKVCache(sum(-(-n // P) for n in lens) + 2, P, H, D, max_seqs=4, dtype=dtype, device=DEV)
+    seqs = []
+    for b, n in enumerate(lens):
+        k = torch.randn(n, H, D, generator=gen) * 1.5
+        v = torch.randn(n, H, D, generator=gen)
+        npg = -(-n // P)
+        if b == 0:
+            for pg in (0, 2, npg // 3, npg // 2, npg - 1):
+                k[pg * P, 0, 3] = _NAN
+            for pg in (1, npg // 4):
+                k[pg * P + P - 1, 0, 5] = _INF  # (P = 1: 0 * inf, a NaN bound)
+        if b == 3:
+            k[:, 0, 7] = _NAN
+        seqs.append(cache.allocate(k.to(DEV), v.to(DEV), check_finite=False))
+    q = torch.randn(4, H * G, D, generator=gen) * 1.5
+    q[0, :G, 5] = q[0, :G, 5].abs() + 0.5  # KV head 0's queries meet the +inf keys: +inf bounds
+    q[1, 0, 2] = _NAN
+    return cache, torch.tensor(seqs, dtype=torch.int32, device=DEV), q.to(dtype).to(DEV), lens
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("P,G,n_long,policy,path", [
+    (1, 1, 301, TopK(6), "keys"), (1, 1, 301, TopK(6, sinks=1, window=2), "rowsel"),
+    (16, 1, 16 * 37 + 5, TopK(16 * 5), "keys"), (16, 1, 16 * 37 + 5, TopK(16 * 40), "rowsel"),
+    (1, 2, 301, TopK(6), "chain"), (16, 4, 16 * 37 + 5, TopK(16 * 6, sinks=2), "chain"),
+    (1, 2, 301, TopK(8, per_query_head=True), "chain-no-prefilter"), (16, 2, 16 * 21 + 9, TopK(16 * 30), "chain"),
+], ids=["p1-g1-keys", "p1-g1-rowsel-sinks-window", "p16-g1-keys", "p16-g1-rowsel-k40", "p1-g2-chain",
+        "p16-g4-chain-sinks", "p1-g2-per-q-no-prefilter", "p16-g2-chain-k-over-pages"])
+def test_topk_non_finite_bounds_match_reference(P, G, n_long, policy, path, launches):
+    """NaN / +inf page bounds (NaN keys, +inf keys, NaN q): the kernels keep
+    exactly the reference's pages (policies.topk_keep: NaN ranks after every
+    finite page, the lowest pages first among NaN ones; +inf ranks below the
+    forced pages), on each path (the keys pass with the chain or rowsel for
+    one query head per KV head; the per-head chunk kernel for GQA, with the
+    merge over several chunks, without the pre-filter), and every row keeps
+    its last page (never empty). Before, a NaN's key bits sorted above the
+    forced pages' (or below -inf) and +inf tied with them."""
+    c = TopKConfig(all_heads=path in ("keys", "rowsel"), rowsel=path == "rowsel", rowsel_min_pages=0,
+                   prefilter=path != "chain-no-prefilter")
+    cache, ids, q, lens = _non_finite_case(P, G, n_long)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, config=_cfg(c))
+    ran = launches.names()
+    assert ("_topk_keys_kernel" in ran) == (path in ("keys", "rowsel"))
+    assert ("_topk_rowsel_kernel" in ran) == (path == "rowsel")
+    ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3)
+    ub = RS.quest_bounds(q, cache, ids, scale=0.3).cpu()
+    assert bool(torch.isnan(ub).any()) and (P == 1 or bool(torch.isposinf(ub).any()))  # the case is what it says
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    got = page_sets(sel)
+    assert got == page_sets(ref)
+    for b, n in enumerate(lens):
+        assert all((n + P - 1) // P - 1 in s for s in got[b]), b

@@ -48,8 +48,10 @@ def _keys_chunk(
         b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
                       mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
         # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
-        b_qq = tl.where((o_2 == 0)[None, :, None], tl.minimum(b_q, 0.0)[:, None, :],
-                        tl.maximum(b_q, 0.0)[:, None, :])
+        # (tl.where keeps a NaN of q, which tl.minimum / tl.maximum may drop:
+        # NaN bounds, as in the reference)
+        b_qq = tl.where((o_2 == 0)[None, :, None], tl.where(b_q > 0.0, 0.0, b_q)[:, None, :],
+                        tl.where(b_q < 0.0, 0.0, b_q)[:, None, :])
         b_k = b_raw.to(tl.float32)
         b_u = tl.sum(tl.sum(b_k * b_qq[None, :, :, :], axis=3), axis=2) * scale  # [BLOCK_M, HG]
         if HAS_ALIBI:
