@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..limits import FLOAT64_ABOVE, SOFTMAX_BELOW
+
 
 try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -209,6 +211,42 @@ def as_slopes(slopes, HQ: int, device) -> torch.Tensor:
     return slopes.to(device=device, dtype=torch.float32).contiguous()
 
 
+def kernel_alpha(alpha) -> float:
+    """alpha as the attention kernels run it: a Python float >= 1, with
+    alpha - 1 < limits.SOFTMAX_BELOW taken as softmax (1.0), as decode does,
+    so direct callers of the kernels get the same numbers. Raises ValueError
+    (naming alpha) for alpha < 1, NaN or infinite."""
+    a = float(alpha)
+    if not (1.0 <= a < float("inf")):
+        raise ValueError(f"alpha: expected a finite number >= 1, got {alpha!r}")
+    return 1.0 if a - 1.0 < SOFTMAX_BELOW else a
+
+
+def entmax_form(alpha: float) -> int:
+    """How the entmax kernels build the threshold and the probabilities
+    (alpha > 1; the FORM constexpr of the attention passes):
+
+    0: float32, p = [(alpha-1)(s - m) - t]_+^beta (m the row max of the kept
+       scores s, t in [-1, -n^(1-alpha)]);
+    1: near alpha = 1 (alpha < 1.5), float32 in r = t + 1 (small, so not
+       lost next to the 1): p = exp(beta log1p((alpha-1)(s - m) - r));
+    2: alpha > limits.FLOAT64_ABOVE: as 0, in float64 (the support clusters
+       within ~n^(1-alpha) of the max, finer than float32 resolves).
+    """
+    if alpha > FLOAT64_ABOVE:
+        return 2
+    if alpha < 1.5:
+        return 1
+    return 0
+
+
+def split_f32(x: float):
+    """(hi, lo): float32 values with hi + lo = x to ~48 bits (a float64
+    scalar for a kernel, whose Python float arguments are float32)."""
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+
+
 def beta_kind(alpha: float) -> int:
     """0: general alpha; 1: sparsemax (beta = 1); 2: 1.5-entmax (beta = 2)."""
     if alpha == 2.0:
@@ -251,4 +289,47 @@ def entmax_prob(u, beta, BETA_KIND: tl.constexpr):
         on = u > 0
         us = tl.where(on, u, 1.0)
         p = tl.where(on, tl.exp2(beta * tl.log2(us)), 0.0)
+    return p
+
+
+@triton.jit
+def to_f64(x):
+    """A float32 scalar argument as float64 (Python floats on the interpreter too)."""
+    return x + tl.zeros([], tl.float64)
+
+
+@triton.jit
+def log1p_f32(w):
+    """log(1 + w) for float32 w > -1, accurate near 0 where log(1 + w) is
+    not: the rounding of 1 + w is divided out (u - 1 is exact)."""
+    u = 1.0 + w
+    um1 = u - 1.0
+    return tl.where(um1 == 0.0, w, tl.log(u) * (w / tl.where(um1 == 0.0, 1.0, um1)))
+
+
+@triton.jit
+def shifted_prob(b_s, m, thr, am1, beta, am1_lo, BETA_KIND: tl.constexpr, FORM: tl.constexpr):
+    """Entmax probabilities (float32) of scores b_s (-inf: none) of a row
+    whose kept maximum is m, from its shifted threshold thr (entmax_form):
+
+    FORM 0, BETA_KIND 1/2: thr = T in score units, p = [s - m - T]_+^beta,
+      which for 1.5-entmax is p / (alpha-1)^2 (the caller scales the sum);
+    FORM 0, BETA_KIND 0: thr = t, p = [(alpha-1)(s - m) - t]_+^beta;
+    FORM 1: thr = r = t + 1, p = exp(beta log1p((alpha-1)(s - m) - r));
+    FORM 2: thr = t in float64, (alpha-1) = am1 + am1_lo, in float64.
+    s - m is taken before any scaling: it is exact near the max (the only
+    place p > 0) and cannot overflow where (alpha-1) s would."""
+    if FORM == 2:
+        a64 = to_f64(am1) + to_f64(am1_lo)
+        u = a64 * (b_s.to(tl.float64) - m.to(tl.float64)) - thr
+        on = u > 0
+        p = tl.where(on, tl.exp(tl.log(tl.where(on, u, 1.0)) / a64), 0.0).to(tl.float32)
+    elif FORM == 1:
+        w = am1 * (b_s - m) - thr
+        on = w > -1.0
+        p = tl.where(on, tl.exp(beta * log1p_f32(tl.where(on, w, 0.0))), 0.0)
+    elif BETA_KIND == 0:
+        p = entmax_prob(tl.maximum(am1 * (b_s - m) - thr, 0.0), beta, 0)
+    else:
+        p = entmax_prob(tl.maximum((b_s - m) - thr, 0.0), beta, BETA_KIND)
     return p

@@ -10,12 +10,13 @@ from .._common import pdl_start, poll_start
 @triton.jit
 def _attn_combine_kernel(
     pm_ptr, pl_ptr, pacc_ptr, tau_ptr, out_ptr, done_ptr,
-    stride_ob, stride_oh, HQ,
+    pscale, stride_ob, stride_oh, HQ,
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    SOFTMAX: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
+    SOFTMAX: tl.constexpr, SCALED: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge a row's NSPLIT partials into its output (softmax: by their
-    maxima and sums; entmax: a sum). POLL as _attn_finish_kernel's."""
+    maxima and sums; entmax: a sum, times pscale when SCALED: 1.5-entmax's
+    partials are of p / (alpha-1)^2, shifted_prob). POLL as _attn_finish_kernel's."""
     i_r = tl.program_id(0).to(tl.int64)
     if POLL:
         poll_start(done_ptr + i_r, NSPLIT, POLLS, PDL)
@@ -42,6 +43,8 @@ def _attn_combine_kernel(
         tl.store(tau_ptr + i_r, tau)
     else:
         b_o = tl.sum(b_acc, axis=0)
+        if SCALED:
+            b_o = b_o * pscale
     i_b = i_r // HQ
     i_h = i_r % HQ
     tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_d, b_o.to(out_ptr.dtype.element_ty), mask=m_d)

@@ -1,7 +1,7 @@
 """Passes 3 (and 2-4 in one) of entmax attention: the V rows of the support.
 
 ``_attn_vacc_kernel`` (pass 3) gathers, per (query head, split), the V rows
-of the candidates with p = [x - tau]_+^beta > 0 into a partial sum, which
+of the candidates with p > 0 (shifted_prob, _common.py) into a partial sum, which
 ``_attn_combine_kernel`` (combine.py) adds up. ``_attn_finish_kernel`` does
 passes 2-4 for one query head in one program: the solve (solve.py), the
 support compacted into the head's own candidate lists, its V rows, the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._common import entmax_prob, pdl_start, poll_start
+from .._common import pdl_start, poll_start, shifted_prob
 from .solve import _row_lists, _solve_tau
 
 
@@ -27,15 +27,16 @@ def _pv_rows(v_ptr, b_tok, b_p, m_p, kvh, o_d, m_d, stride_vp, stride_vh, stride
 
 @triton.jit
 def _attn_vacc_kernel(
-    v_ptr, cx_ptr, ci_ptr, cn_ptr, tau_ptr, pacc_ptr,
-    beta, CAP,
+    v_ptr, cx_ptr, ci_ptr, cn_ptr, th_ptr, pacc_ptr,
+    am1, beta, am1_lo, CAP,
     stride_vp, stride_vh, stride_vr,
     HQ, G,
     NSPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    BETA_KIND: tl.constexpr, ACC_ROWS: tl.constexpr, PDL: tl.constexpr,
+    BETA_KIND: tl.constexpr, FORM: tl.constexpr, ACC_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """p = [x - tau]_+^beta over the candidate list of one (query head, split);
-    V rows are gathered only where p > 0 (usually one short block per list).
+    """p (shifted_prob, from the row's (m, threshold) at th) over the
+    candidate list of one (query head, split); V rows are gathered only
+    where p > 0 (usually one short block per list).
 
     The kernel is latency-bound: token ids load with the scores (not after
     p > 0 is known: one dependent round trip less). ACC_ROWS: a [BLOCK_C, D]
@@ -50,7 +51,8 @@ def _attn_vacc_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     r = i_h.to(tl.int64)
-    tau = tl.load(tau_ptr + r)
+    m = tl.load(th_ptr + 2 * r).to(tl.float32)
+    thr = tl.load(th_ptr + 2 * r + 1)
     n = tl.load(cn_ptr + r * NSPLIT + i_s)
     p_l = (r * NSPLIT + i_s) * CAP
     if ACC_ROWS:
@@ -62,7 +64,7 @@ def _attn_vacc_kernel(
         m_j = o_j < n
         b_x = tl.load(cx_ptr + p_l + o_j, mask=m_j, other=float("-inf"))
         b_tok = tl.load(ci_ptr + p_l + o_j, mask=m_j, other=0)
-        b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+        b_p = shifted_prob(b_x, m, thr, am1, beta, am1_lo, BETA_KIND, FORM)
         m_p = m_j & (b_p > 0)
         b_pv = _pv_rows(v_ptr, b_tok, b_p, m_p, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P)
         if ACC_ROWS:
@@ -100,13 +102,13 @@ def _support_slot(base, w, CAP, cw, NSPLIT: tl.constexpr):
 
 
 @triton.jit
-def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, tau, beta, CAP,
-                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BETA_KIND: tl.constexpr):
-    """Stores (p, token id) of the candidates b_x with p > 0 as support
+def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, m, thr, am1, beta, am1_lo, CAP,
+                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BETA_KIND: tl.constexpr, FORM: tl.constexpr):
+    """Stores (p, token id) (p: shifted_prob) of the candidates b_x with p > 0 as support
     tokens w0, w0 + 1, ... (_support_slot with chunks of BLOCK_M columns; 0:
     the flat order) and returns how many. All of this program's threads must
     have read those slots already."""
-    b_p = entmax_prob(tl.maximum(b_x - tau, 0.0), beta, BETA_KIND)
+    b_p = shifted_prob(b_x, m, thr, am1, beta, am1_lo, BETA_KIND, FORM)
     keep = b_p > 0
     o_w = w0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     if BLOCK_M == 0:
@@ -122,14 +124,14 @@ def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, tau, beta, CAP,
 @triton.jit
 def _attn_finish_kernel(
     cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr, v_ptr, out_ptr, done_ptr,
-    alpha, beta, CAP,
+    alpha, beta, am1, am1_lo, pscale, CAP,
     stride_vp, stride_vh, stride_vr, stride_ob, stride_oh,
     HQ, G,
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, MODE: tl.constexpr,
-    FUSED: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
+    FUSED: tl.constexpr, FORM: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
 ):
     """The work of _attn_solve_kernel, _attn_vacc_kernel and _attn_combine_kernel for one
     query head in one program.
@@ -160,15 +162,16 @@ def _attn_finish_kernel(
         in_regs = False
     if in_regs:
         b_xr, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, 0, CAP, NS_P2, BLOCK_K)
-        tau = _solve_tau(cx_ptr + base, n_s, max_n, b_xr, lb, m, total,
-                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
-                         HALLEY, POLISH, NEWTON_CAP, True, FUSED)
-        n_sup = _compact_support(cx_ptr, ci_ptr, base, 0, b_xr, b_tok, tau, beta, CAP, NSPLIT, 0, BETA_KIND)
+        m, thr, tau = _solve_tau(cx_ptr + base, n_s, max_n, b_xr, lb, m, total,
+                                 t_init, alpha, beta, am1, am1_lo, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                                 HALLEY, POLISH, NEWTON_CAP, True, FUSED, FORM)
+        n_sup = _compact_support(cx_ptr, ci_ptr, base, 0, b_xr, b_tok, m, thr, am1, beta, am1_lo, CAP, NSPLIT, 0,
+                                 BETA_KIND, FORM)
         cw = tl.zeros([], tl.int32) + CAP  # (the flat order)
     else:
-        tau = _solve_tau(cx_ptr + base, n_s, max_n, lb, lb, m, total,
-                         t_init, alpha, beta, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
-                         HALLEY, POLISH, NEWTON_CAP, False, FUSED)
+        m, thr, tau = _solve_tau(cx_ptr + base, n_s, max_n, lb, lb, m, total,
+                                 t_init, alpha, beta, am1, am1_lo, CAP, NS_P2, BLOCK_K, BETA_KIND, HAS_INIT,
+                                 HALLEY, POLISH, NEWTON_CAP, False, FUSED, FORM)
         # [NSPLIT, BLOCK_M] chunks, columns c0.. of every list at once; the
         # w-th support token goes to the w-th slot in chunk order (chunk,
         # split, column: _support_slot), which is in a chunk already read
@@ -177,8 +180,8 @@ def _attn_finish_kernel(
         cw = tl.zeros([], tl.int32) + BLOCK_M
         for c0 in range(0, max_n, BLOCK_M):
             b_x, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, c0, CAP, NS_P2, BLOCK_M)
-            n_sup += _compact_support(cx_ptr, ci_ptr, base, n_sup, b_x, b_tok, tau, beta, CAP,
-                                      NSPLIT, BLOCK_M, BETA_KIND)
+            n_sup += _compact_support(cx_ptr, ci_ptr, base, n_sup, b_x, b_tok, m, thr, am1, beta, am1_lo, CAP,
+                                      NSPLIT, BLOCK_M, BETA_KIND, FORM)
     tl.store(tau_ptr + i_r, tau)  # (an empty row: +inf, every p 0 and the output 0)
     tl.debug_barrier()  # the compacted support is read back by other threads of this program
     kvh = (i_r % HQ) // G
@@ -193,6 +196,8 @@ def _attn_finish_kernel(
         b_tj = tl.load(ci_ptr + o_w, mask=m_j, other=0)
         b_acc += _pv_rows(v_ptr, b_tj, b_pj, m_j, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P)
     b_o = tl.sum(b_acc, axis=0)
+    if BETA_KIND == 2:  # shifted_prob's p / (alpha-1)^2
+        b_o = b_o * pscale
     i_b = i_r // HQ
     i_h = i_r % HQ
     tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_d, b_o.to(out_ptr.dtype.element_ty), mask=m_d)

@@ -9,7 +9,8 @@ import torch
 
 from ...types import Selection
 from ..config import KernelConfig, resolve
-from .._common import as_slopes, beta_kind, cdiv, dot_flags, interpreting, kv_strides, launch_count, launch_opts, next_pow2
+from .._common import (as_slopes, beta_kind, cdiv, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
+                       launch_count, launch_opts, next_pow2, split_f32)
 from .combine import _attn_combine_kernel
 from .finish import _attn_finish_kernel, _attn_vacc_kernel
 from .plan import _max_share, _plan
@@ -35,6 +36,7 @@ def _run(
     ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
     (AttentionConfig.poll_ready); ``config``: the launch choices."""
     c = config.attention
+    alpha = kernel_alpha(alpha)
     _check_inputs(q, cache)
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
@@ -60,6 +62,10 @@ def _run(
     tau = torch.empty(R, dtype=f32, device=dev)
     beta = 1.0 / (alpha - 1.0) if not softmax else 1.0
     bk = beta_kind(alpha)
+    form = entmax_form(alpha) if not softmax else 0
+    am1, am1_lo = split_f32(alpha - 1.0)
+    # 1.5-entmax builds p / (alpha-1)^2 (shifted_prob); its sum is scaled once
+    pscale = (alpha - 1.0) ** 2 if bk == 2 else 1.0
     CAP = 1
     if softmax:
         pm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
@@ -80,7 +86,9 @@ def _run(
         finish = want_out and c.finish and (fits or cfg["USE_DOT"] or NSPLIT <= c.finish_max_splits)
     # the split partials, read by _attn_vacc_kernel / _attn_combine_kernel only
     pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev) if softmax or (want_out and not finish) else pm
-    newton = c.tile_newton if (not softmax and alpha <= 2.0) else 0
+    # (the bound's Newton step needs f convex, alpha <= 2, and u^beta to hold
+    # its digits in float32: not for beta above 16, near softmax)
+    newton = c.tile_newton if (not softmax and alpha <= 2.0 and beta <= 16.0) else 0
     lb_mode = getattr(c, "lb_mode_" + cfg["PATH"]) if newton <= 1 else 0  # the fused step takes one Newton step at most
     opts = launch_opts(dev, config.pdl)
     # poll_ready: the split programs wait for their own rows; with one query
@@ -114,7 +122,7 @@ def _run(
         _attn_split_entmax_kernel[grid](
             qk, cache.k_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
             cx, ci, cn, clb, cm, rdy, done,
-            float(scale), float(alpha - 1.0), float(beta),
+            float(scale), am1, float(beta),
             qk.stride(0), qk.stride(1),
             skp, skh, skr,
             cache.block_table.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
@@ -128,50 +136,55 @@ def _run(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
         )
     if not softmax:
-        tinit = tau_init.reshape(R).to(f32).contiguous() if tau_init is not None else tau
+        # (FORM 1 starts at r = 0: a warm start in tau's units lost r's digits)
+        has_init = tau_init is not None and form != 1
+        tinit = tau_init.reshape(R).to(f32).contiguous() if has_init else tau
         fused = c.fused_sums and (c.fused_sums_interpreted or not interpreting())
         if finish:
             out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
             block_d = next_pow2(D)
             _attn_finish_kernel[(R,)](
                 cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out, done,
-                float(alpha), float(beta), CAP,
+                float(alpha), float(beta), am1, am1_lo, pscale, CAP,
                 svp, svh, svr, out.stride(0), out.stride(1),
                 HQ, G,
                 NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k, BLOCK_M=min(block_k, BLOCK_T),  # (divides CAP)
                 P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(c.finish_block, 8192 // block_d)),
-                BETA_KIND=bk, HAS_INIT=tau_init is not None,
+                BETA_KIND=bk, HAS_INIT=has_init,
                 HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max,
-                MODE=(0 if fits else 1) if c.solve_in_regs else 2, FUSED=fused, POLL=poll == 2, POLLS=c.poll_polls,
+                MODE=(0 if fits else 1) if c.solve_in_regs else 2, FUSED=fused, FORM=form, POLL=poll == 2,
+                POLLS=c.poll_polls,
                 num_warps=c.finish_warps[0 if fits else 1], **opts,
             )
             return out, tau.view(B, HQ)
+        # the row max and the shifted threshold, for the V pass
+        th = torch.empty(R, 2, dtype=torch.float64 if form == 2 else f32, device=dev)
         _attn_solve_kernel[(R,)](
-            cx, cn, clb, cm, tinit, tau,
-            float(alpha), float(beta), CAP,
+            cx, cn, clb, cm, tinit, tau, th,
+            float(alpha), float(beta), am1, am1_lo, CAP,
             NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k,
-            BETA_KIND=bk, HAS_INIT=tau_init is not None,
+            BETA_KIND=bk, HAS_INIT=has_init,
             HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max, IN_REGS=c.solve_in_regs,
-            FUSED=fused, num_warps=8, **opts,
+            FUSED=fused, FORM=form, num_warps=8, **opts,
         )
         if not want_out:
             return None, tau.view(B, HQ)
         block_d = next_pow2(D)
         vblock, vwarps, vrows = c.vacc_small_d if block_d <= 64 else c.vacc_large_d
         _attn_vacc_kernel[(R, NSPLIT)](
-            cache.v_pages, cx, ci, cn, tau, pacc,
-            float(beta), CAP,
+            cache.v_pages, cx, ci, cn, th, pacc,
+            am1, float(beta), am1_lo, CAP,
             svp, svh, svr,
             HQ, G,
             NSPLIT=NSPLIT, P=P, D=D, BLOCK_D=block_d,
-            BLOCK_C=max(16, min(vblock, 8192 // block_d)), BETA_KIND=bk, ACC_ROWS=vrows,
+            BLOCK_C=max(16, min(vblock, 8192 // block_d)), BETA_KIND=bk, FORM=form, ACC_ROWS=vrows,
             num_warps=vwarps, **opts,
         )
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
     _attn_combine_kernel[(R,)](
         pm, pl, pacc, tau, out, done,
-        out.stride(0), out.stride(1), HQ,
-        NSPLIT=NSPLIT, NS_P2=NS_P2, D=D, BLOCK_D=next_pow2(D), SOFTMAX=softmax,
+        pscale, out.stride(0), out.stride(1), HQ,
+        NSPLIT=NSPLIT, NS_P2=NS_P2, D=D, BLOCK_D=next_pow2(D), SOFTMAX=softmax, SCALED=bk == 2 and not softmax,
         POLL=poll == 2, POLLS=c.poll_polls,
         num_warps=1 if D <= 64 else 2, **opts,
     )
@@ -213,7 +226,11 @@ def attend(
             S = kv_heads (one selection per KV group) or q_heads. When it
             comes from the launch just before (``pending``), each row starts
             as soon as it is selected (AttentionConfig.poll_ready).
-        alpha: >= 1 (1 softmax, 1.5, 2 fast paths; any alpha > 1 works).
+        alpha: >= 1 (1 softmax, 1.5, 2 fast paths; any alpha > 1 works;
+            alpha - 1 < limits.SOFTMAX_BELOW runs as softmax). The
+            probabilities are built shifted by the row max (exact for large
+            scores); alpha < 1.5 through log1p, alpha > limits.FLOAT64_ABOVE
+            in float64 (entmax_form).
         scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
         tau_init: optional float [batch, q_heads] warm start (used, clamped
             into the bracket, by the general-alpha Halley solver only).

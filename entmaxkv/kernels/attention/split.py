@@ -4,7 +4,8 @@ query heads that read it.
 
 ``_attn_split_softmax_kernel`` keeps an online softmax (reading V too);
 ``_attn_split_entmax_kernel`` reads K only and writes the entmax candidates
-x > lb, lb a running lower bound on tau (docs/spec.md §1). Shared here: the
+s >= lb, lb a running lower bound on the threshold in score units
+(docs/spec.md §1). Shared here: the
 dot products, a tile's page lookup and the program's share of the pages.
 """
 from __future__ import annotations
@@ -220,40 +221,66 @@ def _attn_split_softmax_kernel(
 # ---------------------------------------------------------------------------
 
 
+# "No bound yet": a finite sentinel below every finite score, so the
+# candidate test s >= lb (see _attn_split_entmax_kernel) rejects only the
+# masked -inf slots.
+NO_LB = tl.constexpr(-3.4028234663852886e38)
+
+
 @triton.jit
-def _newton_left(b_t, s0, s1, beta):
-    """One Newton step t + f / f' on f = s0 - 1 (s0 = sum u^beta, s1 = sum
-    u^(beta-1), u = [top - t]_+), taken only where f > 0 (from the left)."""
-    f = s0 - 1.0
-    fp = beta * s1
+def _slot_pows(u_s, am1, beta, BETA_KIND: tl.constexpr):
+    """Terms of the bound's Newton step for score gaps u_s = [top - t]_+ >= 0
+    (score units): u_s^beta and u_s^(beta-1) for BETA_KIND 1/2 (the scaling
+    by alpha - 1, a constant, is folded into _newton_left), else the terms
+    of u = (alpha-1) u_s."""
+    if BETA_KIND == 0:
+        return entmax_pows(am1 * u_s, beta, 0)
+    else:
+        return entmax_pows(u_s, beta, BETA_KIND)
+
+
+@triton.jit
+def _newton_left(b_t, s0, s1, beta, BETA_KIND: tl.constexpr):
+    """One Newton step on f(t) = sum ((alpha-1)[top - t]_+)^beta - 1 in score
+    units (t a score; s0, s1 the _slot_pows sums at t), taken only where
+    f > 0 (from the left): t + f / |f'|. For BETA_KIND 1/2 the sums are of
+    the unscaled gaps: f = s0 / beta^2 - 1 and |f'| = s1 / beta (1.5:
+    (s0 - 4) / (2 s1)); otherwise f = s0 - 1 and |f'| = s1."""
+    if BETA_KIND == 2:
+        f = s0 - beta * beta
+        fp = beta * s1
+    else:
+        f = s0 - 1.0
+        fp = s1
     return tl.where((f > 0) & (fp > 0), b_t + f / tl.where(fp > 0, fp, 1.0), b_t)
 
 
 @triton.jit
-def _lb_update(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr):
-    """Raise the lower bounds b_lb [R] on tau from b_top [R, T].
+def _lb_update(b_top, b_lb, am1, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr):
+    """Raise the lower bounds b_lb [R] on tau (score units) from b_top [R, T].
 
-    b_top[r, t] is the largest x seen so far in slot t: distinct tokens, so tau
-    over them is <= tau (a subset, docs/spec.md §1) and >= their max - 1. A
-    Newton step on their f from a point where it is >= 0 stays below that root
-    (f convex for alpha <= 2): lb only grows, stays valid, and tightens as the
-    slots collect the split's largest scores.
+    b_top[r, t] is the largest score seen so far in slot t: distinct tokens,
+    so tau over them is <= tau (a subset, docs/spec.md §1) and >= their max
+    - beta (in score units, t >= -1). A Newton step on their f from a point
+    where it is >= 0 stays below that root (f convex for alpha <= 2): lb only
+    grows, stays valid, and tightens as the slots collect the split's
+    largest scores.
     """
-    b_t = tl.maximum(b_lb, tl.max(b_top, axis=1) - 1.0)
+    b_t = tl.maximum(b_lb, tl.max(b_top, axis=1) - beta)
     for _ in tl.static_range(NEWTON):
-        u0, u1 = entmax_pows(tl.where(b_top > b_t[:, None], b_top - b_t[:, None], 0.0), beta, BETA_KIND)
-        b_t = _newton_left(b_t, tl.sum(u0, axis=1), tl.sum(u1, axis=1), beta)
+        u0, u1 = _slot_pows(tl.where(b_top > b_t[:, None], b_top - b_t[:, None], 0.0), am1, beta, BETA_KIND)
+        b_t = _newton_left(b_t, tl.sum(u0, axis=1), tl.sum(u1, axis=1), beta, BETA_KIND)
     return tl.maximum(b_lb, b_t)
 
 
 @triton.jit
-def _lb_update_1d(b_top, b_lb, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr):
+def _lb_update_1d(b_top, b_lb, am1, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr):
     """_lb_update for one head (b_top [T], scalar b_lb): the same step with
     1-D reductions (a [1, T] view measured 2x slower: layout conversions)."""
-    b_t = tl.maximum(b_lb, tl.max(b_top, axis=0) - 1.0)
+    b_t = tl.maximum(b_lb, tl.max(b_top, axis=0) - beta)
     for _ in tl.static_range(NEWTON):
-        u0, u1 = entmax_pows(tl.where(b_top > b_t, b_top - b_t, 0.0), beta, BETA_KIND)
-        b_t = _newton_left(b_t, tl.sum(u0, axis=0), tl.sum(u1, axis=0), beta)
+        u0, u1 = _slot_pows(tl.where(b_top > b_t, b_top - b_t, 0.0), am1, beta, BETA_KIND)
+        b_t = _newton_left(b_t, tl.sum(u0, axis=0), tl.sum(u1, axis=0), beta, BETA_KIND)
     return tl.maximum(b_lb, b_t)
 
 
@@ -263,26 +290,26 @@ def _max_sum2(m0, a0, b0, m1, a1, b1):
 
 
 @triton.jit
-def _lb_step(b_top, b_lb, b_mx, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, AXIS: tl.constexpr):
+def _lb_step(b_top, b_lb, b_mx, am1, beta, BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, AXIS: tl.constexpr):
     """_lb_update with one reduction: returns (lb, max of b_top) along AXIS.
 
-    The Newton step (NEWTON 0 or 1) starts from max(lb, b_mx - 1), b_mx the
-    max of an *earlier* b_top. Slots only grow, so that start is still <= tau
-    over the current slots, and the step stays valid; the max of the current
-    slots is reduced together with the step's two sums. Rows with no start
-    yet (b_mx = -inf and lb = -inf) only take the max.
+    The Newton step (NEWTON 0 or 1) starts from max(lb, b_mx - beta), b_mx
+    the max of an *earlier* b_top. Slots only grow, so that start is still
+    <= tau over the current slots, and the step stays valid; the max of the
+    current slots is reduced together with the step's two sums. Rows with no
+    start yet (b_mx = -inf and lb = NO_LB) only take the max.
     """
-    b_t = tl.maximum(b_lb, b_mx - 1.0)
+    b_t = tl.maximum(b_lb, b_mx - beta)
     if NEWTON == 0:
         b_m = tl.max(b_top, axis=AXIS)
-        return tl.maximum(b_t, b_m - 1.0), b_m
+        return tl.maximum(b_t, b_m - beta), b_m
     else:
-        ok = b_t > float("-inf")
+        ok = b_t > NO_LB
         b_ts = tl.where(ok, b_t, 0.0)
         b_te = tl.expand_dims(b_ts, AXIS)
-        u0, u1 = entmax_pows(tl.where(b_top > b_te, b_top - b_te, 0.0), beta, BETA_KIND)
+        u0, u1 = _slot_pows(tl.where(b_top > b_te, b_top - b_te, 0.0), am1, beta, BETA_KIND)
         b_m, s0, s1 = tl.reduce((b_top, u0, u1), AXIS, _max_sum2)
-        b_t = tl.maximum(tl.where(ok, _newton_left(b_ts, s0, s1, beta), b_t), b_m - 1.0)
+        b_t = tl.maximum(tl.where(ok, _newton_left(b_ts, s0, s1, beta, BETA_KIND), b_t), b_m - beta)
         return tl.maximum(b_lb, b_t), b_m
 
 
@@ -341,9 +368,16 @@ def _attn_split_entmax_kernel(
     LOOP_STAGES: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, ROWS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Entmax pass 1 for one (batch row, selection head, split): x = (alpha-1) s
-    over a share of the kept tokens, reading K only, and the candidates
-    x > lb (score + physical token id) of each of the NG query heads.
+    """Entmax pass 1 for one (batch row, selection head, split): the scores s
+    of a share of the kept tokens, reading K only, and the candidates
+    s >= lb (score + physical token id) of each of the NG query heads.
+
+    Everything here is in score units, unscaled by alpha - 1 (lb a lower
+    bound on the score threshold tau / (alpha-1)): the later passes shift by
+    the row max *before* scaling, so neither large scores (q x 1e8) lose
+    their digits nor (alpha-1) s overflows. The test is s >= lb, not s > lb:
+    where lb rounds up onto the max (scores far larger than beta), the max
+    stays a candidate.
 
     USE_DOT (NG >= 2 heads per K tile): scores by tl.dot, one running state per
     head (R rows: BLOCK_G, or NG when the dot's rows repeat the heads and are
@@ -392,7 +426,7 @@ def _attn_split_entmax_kernel(
             b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
         if HAS_ALIBI:
             b_sl = tl.load(slopes_ptr + h0 + o_h, mask=m_h, other=0.0)
-        b_lb = tl.full([R], float("-inf"), tl.float32)
+        b_lb = tl.full([R], NO_LB, tl.float32)
         b_mx = tl.full([R], float("-inf"), tl.float32)  # max of b_top (LB_MODE 1)
         b_top = tl.full([R, BLOCK_T], float("-inf"), tl.float32)
         b_nc = tl.zeros([R, BLOCK_T], tl.int32)
@@ -402,7 +436,7 @@ def _attn_split_entmax_kernel(
         b_q = b_q.to(tl.float32)
         if HAS_ALIBI:
             b_sl = tl.load(slopes_ptr + h0)
-        b_lb = tl.full([], float("-inf"), tl.float32)
+        b_lb = tl.full([], NO_LB, tl.float32)
         b_mx = tl.full([], float("-inf"), tl.float32)
         b_top = tl.full([BLOCK_T], float("-inf"), tl.float32)
         b_nc = tl.zeros([BLOCK_T], tl.int32)
@@ -428,14 +462,13 @@ def _attn_split_entmax_kernel(
             if HAS_ALIBI:
                 b_s += b_sl[:, None] * rel[None, :]
             b_s = tl.where(m_h[:, None] & m_tok[None, :], b_s, float("-inf"))
-            b_x = b_s * am1
-            b_top = tl.maximum(b_top, b_x)
+            b_top = tl.maximum(b_top, b_s)
             if LB_MODE == 0:
-                b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
+                b_lb = _lb_update(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
             else:
-                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, beta, BETA_KIND, NEWTON, 1)
-            m_c = b_x > b_lb[:, None]  # only these can be in the support
-            b_nc = _stage(cx_ptr, ci_ptr, o_c[:, None], b_nc, m_c, b_x, (phys * P + i_row).to(tl.int32)[None, :],
+                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, am1, beta, BETA_KIND, NEWTON, 1)
+            m_c = b_s >= b_lb[:, None]  # only these can be in the support
+            b_nc = _stage(cx_ptr, ci_ptr, o_c[:, None], b_nc, m_c, b_s, (phys * P + i_row).to(tl.int32)[None, :],
                           o_tt[None, :], BLOCK_T)
         else:
             # ---- one head: per-slot running state, no per-tile reduction
@@ -443,27 +476,26 @@ def _attn_split_entmax_kernel(
             if HAS_ALIBI:
                 b_s += b_sl * rel
             b_s = tl.where(m_tok, b_s, float("-inf"))
-            b_x = b_s * am1
-            b_top = tl.maximum(b_top, b_x)  # as in the tl.dot branch
+            b_top = tl.maximum(b_top, b_s)  # as in the tl.dot branch
             if LB_MODE == 0:
-                b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
+                b_lb = _lb_update_1d(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
             else:
-                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, beta, BETA_KIND, NEWTON, 0)
-            m_c = b_x > b_lb
-            b_nc = _stage(cx_ptr, ci_ptr, o_c, b_nc, m_c, b_x, (phys * P + i_row).to(tl.int32), o_tt, BLOCK_T)
+                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, am1, beta, BETA_KIND, NEWTON, 0)
+            m_c = b_s >= b_lb
+            b_nc = _stage(cx_ptr, ci_ptr, o_c, b_nc, m_c, b_s, (phys * P + i_row).to(tl.int32), o_tt, BLOCK_T)
         if PREFETCH:
             i_row, pos, m_tok, phys = i_row_nx, pos_nx, m_tok_nx, phys_nx
 
     # the split's max and a last lb update (a tighter start for the solve)
     o_r = (i_b * HQ + h0 + o_h).to(tl.int64) * NSPLIT + i_s
     if USE_DOT:
-        b_lb = _lb_update(b_top, b_lb, beta, BETA_KIND, NEWTON)
+        b_lb = _lb_update(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
         b_cnt = _compact(cx_ptr, ci_ptr, o_c, b_nc, R, BLOCK_T)
         tl.store(cn_ptr + o_r, b_cnt, mask=m_h)
         tl.store(clb_ptr + o_r, b_lb, mask=m_h)
         tl.store(cm_ptr + o_r, tl.max(b_top, axis=1), mask=m_h)
     else:
-        b_lb = _lb_update_1d(b_top, b_lb, beta, BETA_KIND, NEWTON)
+        b_lb = _lb_update_1d(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
         b_cnt = _compact(cx_ptr, ci_ptr, o_c + tl.zeros([1], tl.int64), b_nc[None, :], 1, BLOCK_T)
         tl.store(cn_ptr + o_r, b_cnt, mask=m_h)
         tl.store(clb_ptr + o_r, b_lb[None], mask=m_h)
