@@ -14,11 +14,14 @@ from ``cuobjdump -res-usage``, so that two trees can be compared. The block
 sizes are the interpreter's plans (what the test suite launches), not the
 GPU's. Exits 1 if any specialization fails to compile.
 
-    python -m benchmarks.compile_check [--arch 90] [--out table.json] [--specs specs.json]
+    python -m benchmarks.compile_check [--arch 90] [--out table.json] [--specs specs.json] [--where BETA_KIND=2]
 
 ``--specs FILE`` keeps the recorded specializations there, or, when FILE
 exists, compiles those without recording again (the recording is the slow
-part; Triton's cache serves specializations compiled before).
+part; Triton's cache serves specializations compiled before). ``--where
+NAME=VALUE`` keeps only the specializations with that constexpr (JSON text:
+``BETA_KIND=2`` the 1.5-entmax ones, ``SOFTMAX=false``), to compare one
+path's registers between two trees.
 """
 from __future__ import annotations
 
@@ -161,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as one number (90: sm_90)")
     ap.add_argument("--out", default=None, help="write the per-kernel table as JSON")
     ap.add_argument("--specs", default=None, help="keep the recorded specializations here (or reuse them)")
+    ap.add_argument("--where", action="append", default=[], metavar="NAME=VALUE",
+                    help="compile only the specializations with this constexpr value (e.g. BETA_KIND=2, the "
+                         "1.5-entmax ones); repeatable, all must hold")
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)  # (the subprocess's part)
     args = ap.parse_args(argv)
     if args.record:
@@ -177,6 +183,12 @@ def main(argv=None) -> int:
                            check=True)
             with open(path) as f:
                 specs = json.load(f)
+    for cond in args.where:
+        name, _, value = cond.partition("=")
+        if not name or not value:
+            raise SystemExit(f"compile_check: --where expects NAME=VALUE, got {cond!r}")
+        # (constexprs are recorded as JSON values: compare their JSON text)
+        specs = [s for s in specs if name in s["constexprs"] and json.dumps(s["constexprs"][name]) == value]
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("compile_check: run it without TRITON_INTERPRET (the compile step needs the real jit)")
     table = compile_all(specs, args.arch)

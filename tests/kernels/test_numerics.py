@@ -2,7 +2,8 @@
 (entmaxkv.limits): decode with the Triton backend against a float64 truth
 written here (bisection on the shifted form, independent of entmax.py).
 
-Cases: alpha - 1 tiny (down to below limits.SOFTMAX_BELOW), scores ~1e8
+Cases (fp32 / fp16 / bf16, GQA 1 / 2, pages 1 / 3 / 16, odd lengths):
+alpha - 1 tiny (down to below limits.SOFTMAX_BELOW), scores ~1e8
 (q x 1e8), alpha = 3 and 4 with exact ties and with near-uniform scores
 (the support within ~n^(1-alpha) of the max), and alpha = 1.5 / 2 on
 ordinary data. Small shapes: the kernels run on Triton's interpreter here.
@@ -122,8 +123,9 @@ LAYOUTS = [
     (torch.float16, 3, 2, True, "full", None),
     (torch.float32, 16, 2, True, "topk", None),
     (torch.float16, 16, 1, False, "full", "three"),
+    (torch.bfloat16, 1, 2, False, "full", None),
 ]
-LAYOUT_IDS = ["f32-p1-g1", "f16-p3-g2-alibi", "f32-p16-g2-alibi-topk", "f16-p16-g1-3launch"]
+LAYOUT_IDS = ["f32-p1-g1", "f16-p3-g2-alibi", "f32-p16-g2-alibi-topk", "f16-p16-g1-3launch", "bf16-p1-g2"]
 
 
 def _layout(policy, config):
