@@ -201,10 +201,17 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, am1, am
     if BETA_KIND != 0:
         # In score units relative to m: T in [max(lb - m, -beta), -beta c^(1-alpha)]
         # (f(T) = sum ((alpha-1)[y - T]_+)^beta - 1; T = t beta).
-        lo = tl.maximum(lbm, -beta)
-        hi = -beta * tl.exp2((1.0 - alpha) * tl.log2(c))
+        # beta is 1 or 2 here: literals, not the runtime argument, so that
+        # f's constant is not one more register live through the loop
+        if BETA_KIND == 2:
+            bb = 2.0
+            one = 4.0  # f = 0 <=> sum [y - T]_+^beta = beta^beta
+        else:
+            bb = 1.0
+            one = 1.0
+        lo = tl.maximum(lbm, -bb)
+        hi = -bb * tl.exp2((1.0 - alpha) * tl.log2(c))
         lo = tl.minimum(lo, hi)
-        one = beta * beta  # f = 0 <=> sum [y - T]_+^beta = beta^beta (beta = 1 or 2)
         # Newton from the left (monotone for convex f); on each support try the
         # closed form, which is exact once the support is the final one.
         tau = lo

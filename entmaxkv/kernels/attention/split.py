@@ -400,6 +400,14 @@ def _attn_split_entmax_kernel(
     rows), so programs are scheduled row by row, in the order rows are
     selected.
     """
+    # beta as a literal on the fast paths (1 or 2), not one more live
+    # register: the bound's steps use it in score units
+    if BETA_KIND == 2:
+        beta_c = 2.0
+    elif BETA_KIND == 1:
+        beta_c = 1.0
+    else:
+        beta_c = beta
     i_r, i_s = grid_ids(ROWS_FIRST)
     if POLL > 0:
         poll_start(rdy_ptr + i_r, 1, POLLS, PDL)
@@ -464,9 +472,9 @@ def _attn_split_entmax_kernel(
             b_s = tl.where(m_h[:, None] & m_tok[None, :], b_s, float("-inf"))
             b_top = tl.maximum(b_top, b_s)
             if LB_MODE == 0:
-                b_lb = _lb_update(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
+                b_lb = _lb_update(b_top, b_lb, am1, beta_c, BETA_KIND, NEWTON)
             else:
-                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, am1, beta, BETA_KIND, NEWTON, 1)
+                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, am1, beta_c, BETA_KIND, NEWTON, 1)
             m_c = b_s >= b_lb[:, None]  # only these can be in the support
             b_nc = _stage(cx_ptr, ci_ptr, o_c[:, None], b_nc, m_c, b_s, (phys * P + i_row).to(tl.int32)[None, :],
                           o_tt[None, :], BLOCK_T)
@@ -478,9 +486,9 @@ def _attn_split_entmax_kernel(
             b_s = tl.where(m_tok, b_s, float("-inf"))
             b_top = tl.maximum(b_top, b_s)  # as in the tl.dot branch
             if LB_MODE == 0:
-                b_lb = _lb_update_1d(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
+                b_lb = _lb_update_1d(b_top, b_lb, am1, beta_c, BETA_KIND, NEWTON)
             else:
-                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, am1, beta, BETA_KIND, NEWTON, 0)
+                b_lb, b_mx = _lb_step(b_top, b_lb, b_mx, am1, beta_c, BETA_KIND, NEWTON, 0)
             m_c = b_s >= b_lb
             b_nc = _stage(cx_ptr, ci_ptr, o_c, b_nc, m_c, b_s, (phys * P + i_row).to(tl.int32), o_tt, BLOCK_T)
         if PREFETCH:
@@ -489,13 +497,13 @@ def _attn_split_entmax_kernel(
     # the split's max and a last lb update (a tighter start for the solve)
     o_r = (i_b * HQ + h0 + o_h).to(tl.int64) * NSPLIT + i_s
     if USE_DOT:
-        b_lb = _lb_update(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
+        b_lb = _lb_update(b_top, b_lb, am1, beta_c, BETA_KIND, NEWTON)
         b_cnt = _compact(cx_ptr, ci_ptr, o_c, b_nc, R, BLOCK_T)
         tl.store(cn_ptr + o_r, b_cnt, mask=m_h)
         tl.store(clb_ptr + o_r, b_lb, mask=m_h)
         tl.store(cm_ptr + o_r, tl.max(b_top, axis=1), mask=m_h)
     else:
-        b_lb = _lb_update_1d(b_top, b_lb, am1, beta, BETA_KIND, NEWTON)
+        b_lb = _lb_update_1d(b_top, b_lb, am1, beta_c, BETA_KIND, NEWTON)
         b_cnt = _compact(cx_ptr, ci_ptr, o_c + tl.zeros([1], tl.int64), b_nc[None, :], 1, BLOCK_T)
         tl.store(cn_ptr + o_r, b_cnt, mask=m_h)
         tl.store(clb_ptr + o_r, b_lb[None], mask=m_h)
