@@ -22,7 +22,8 @@ Conventions shared by every function here:
   defined as ``tau = +inf`` (so every p_i = [(alpha-1) x_i - tau]_+^beta, or
   exp(x_i - tau), is exactly 0), its support is 0 and its probabilities are
   zeros -- never NaN.
-* Entries equal to +inf or NaN are not supported (the result is undefined).
+* A row holding +inf or NaN gives NaN probabilities (never a plausible
+  finite answer).
 * The solve runs in float32 for float16 / bfloat16 / float32 inputs (float64
   for alpha > FLOAT64_ABOVE, docs/limits.md) and in
   float64 for float64 inputs: an fp16 threshold is wrong at long context.
@@ -131,7 +132,8 @@ def _shift(x: torch.Tensor, dim: int, dtype: torch.dtype):
     """
     z = x.movedim(dim, -1).to(dtype)
     n = (z > float("-inf")).sum(-1)
-    empty = n == 0
+    # NaN counts as present (not masked), so a row of NaN stays NaN.
+    empty = (z == float("-inf")).all(-1)
     m = torch.where(empty, torch.zeros((), dtype=dtype, device=z.device), z.amax(-1))
     return z - m.unsqueeze(-1), m, n, empty
 
@@ -483,7 +485,11 @@ def _entmax_and_threshold(
             p = torch.zeros(x.shape, dtype=dt, device=x.device)
             return p, torch.full(x.shape[:-1], float("inf"), dtype=dt, device=x.device)
         y, m, th, _, empty = _solve(x, alpha, -1, tau_init)
-        return _probs(y, th, empty, alpha), _tau(m, th, empty, alpha)
+        # A NaN or +inf score makes the row max non-finite; the solve clamps
+        # its threshold into the bracket, so without this the row would read
+        # as a plausible (zero) answer. 0 * m is NaN exactly there.
+        p = _probs(y, th, empty, alpha) + 0.0 * m.unsqueeze(-1)
+        return p, _tau(m, th, empty, alpha)
 
 
 def _threshold_impl(x, alpha, dim=-1, tau_init=None, method="auto", n_iter=None):
