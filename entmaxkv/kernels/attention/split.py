@@ -400,6 +400,11 @@ def _attn_split_entmax_kernel(
     rows), so programs are scheduled row by row, in the order rows are
     selected.
     """
+    i_r, i_s = grid_ids(ROWS_FIRST)
+    if POLL > 0:
+        poll_start(rdy_ptr + i_r, 1, POLLS, PDL)
+    else:
+        pdl_start(PDL)
     # beta as a literal on the fast paths (1 or 2), not one more live
     # register: the bound's steps use it in score units
     if BETA_KIND == 2:
@@ -408,11 +413,6 @@ def _attn_split_entmax_kernel(
         beta_c = 1.0
     else:
         beta_c = beta
-    i_r, i_s = grid_ids(ROWS_FIRST)
-    if POLL > 0:
-        poll_start(rdy_ptr + i_r, 1, POLLS, PDL)
-    else:
-        pdl_start(PDL)
     i_b, h0, kvh, n, t_lo, t_hi, p_bt, p_pages = _split_share(
         i_r, i_s, ids_ptr, lens_ptr, counts_ptr, bt_ptr, pages_ptr, stride_bt, stride_pb, stride_ph, stride_cb,
         G, W, S, NG, NSPLIT, MIN_PER, P, DENSE)
