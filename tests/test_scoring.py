@@ -59,8 +59,11 @@ def test_gaussian_stats_match_page_moments(use_alibi):
         for p in range(-(-n // P)):
             lo, hi = p * P, min((p + 1) * P, n)
             assert n_tok[b, p] == hi - lo
-            # the mean of the scores is exact (linear in k and in position)
-            assert torch.allclose(mu[b, :, p], s[:, lo:hi].mean(-1), atol=1e-10)
+            # the mean of the scores is linear in k and in position, so only
+            # the float32 rounding of the stored k_mean separates the two:
+            # ~1e-7 of |q . k_mean|, far below one position of the smallest
+            # ALiBi slope (2^-8 here); a relative test fails at means near 0
+            assert torch.allclose(mu[b, :, p], s[:, lo:hi].mean(-1), rtol=0, atol=1e-5)
             # sigma: diagonal model sum_i q_i^2 var_i (+ positional variance)
             kp = k[b, lo:hi].double().repeat_interleave(G, dim=1)  # [n, HQ, D]
             var = (q[b].double() ** 2 * kp.var(0, unbiased=False)).sum(-1) * 0.25
