@@ -58,10 +58,11 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 # tests/test_gaussian.py checks 1e-8. The selector itself needs ~1e-3.
 QUAD_NODES = 48
 HERMITE_NODES = 20  # <= 20 keeps every node above -8 (see _quadrature_moments)
-# Above this t = mu / sigma the kink of (t + Z)_+^b at Z = -t carries
-# Gaussian weight phi(t) < 5e-15: plain Gauss-Hermite is exact to float64
-# there, and the half-line rule would need a long interval.
-_HERMITE_FROM_T = 8.0
+# Above this distance d (in curvature widths) from the integrand's peak to
+# the kink of (t + Z)_+^b at Z = -t, the kink carries Gaussian weight
+# < 5e-15: centred Gauss-Hermite is exact to float64 there, and the
+# half-line rule would need a long interval (see _quadrature_moments).
+_HERMITE_FROM_D = 8.0
 # Below this t the closed forms switch to a continued fraction (see
 # _closed_form); at x = -t >= 3 a depth of 48 converges to ~1e-15.
 _TAIL_FROM_T = -3.0
@@ -69,11 +70,11 @@ _TAIL_CF_DEPTH = 48
 # Cap on elements x nodes materialised at once by the quadrature (memory).
 _QUAD_CHUNK_ELEMS = 1 << 24
 
-# Iterations of the tau_hat solver. Started at the left end of its bracket,
-# it reached the 300-step answer to 8 ulps within 5 steps for alpha < 2
-# (Halley) and within 14 for alpha in [2, 5] (Newton), on random pages,
-# 65536 pages, zero-sigma pages, fractional weights; 20 leaves a margin.
-TAU_HAT_ITERS = 20
+# Iterations of the tau_hat solver on the page mixture, from the pooled
+# start (log(F + 1) Halley, see _solve_lambda), and of the pooled start's
+# one-term solve from its left end.
+TAU_HAT_ITERS = 8
+POOLED_START_ITERS = 12
 
 
 # --------------------------------------------------------------------------
@@ -166,7 +167,10 @@ def _jacobi_rule(gamma: float, n: int) -> Tuple[np.ndarray, np.ndarray]:
 
     Nodes/weights of the Jacobi weight (1 + y)^gamma on [-1, 1] from the
     eigen-decomposition of the (symmetric) Jacobi matrix of its three-term
-    recurrence, then mapped to x = (1 + y) / 2. float64, host side, cached.
+    recurrence, then mapped to x = (1 + y) / 2. The weights sum to the total
+    mass int_0^1 x^gamma dx = 1 / (gamma + 1): written out, not as a ratio of
+    Gamma functions, which overflows a float for gamma > 170. float64, host
+    side, cached.
     """
     a, b = 0.0, gamma
     i = np.arange(n, dtype=np.float64)
@@ -179,46 +183,85 @@ def _jacobi_rule(gamma: float, n: int) -> Tuple[np.ndarray, np.ndarray]:
     off2 = 4.0 * j * (j + a) * (j + b) * (j + a + b) / (sj * sj * (sj + 1.0) * (sj - 1.0))
     jac = np.diag(diag) + np.diag(np.sqrt(off2), 1) + np.diag(np.sqrt(off2), -1)
     y, vec = np.linalg.eigh(jac)
-    mass = 2.0 ** (a + b + 1.0) * math.gamma(a + 1.0) * math.gamma(b + 1.0)
-    mass /= math.gamma(a + b + 2.0)  # total weight of (1 - y)^a (1 + y)^b on [-1, 1]
-    w = mass * vec[0, :] ** 2
-    return (1.0 + y) / 2.0, w * 2.0 ** (-gamma - 1.0)
+    return (1.0 + y) / 2.0, vec[0, :] ** 2 / (gamma + 1.0)
 
 
 @functools.lru_cache(maxsize=None)
-def _rule_tensors(
-    exponents: Tuple[float, ...], n_half: int, n_herm: int, device: torch.device, dtype: torch.dtype
-):
-    """Quadrature constants for a tuple of exponents, as cached tensors on the target device.
+def _half_rule(exponents: Tuple[float, ...], n_half: int, device: torch.device, dtype: torch.dtype):
+    """Half-line constants for a tuple of exponents, as cached tensors on the target device.
 
-    Returns (x, c, z, w): the half-line nodes x [n_half] on [0, 1] and the
-    matrix c [n_half, E] with c[i, e] = w_i x_i^(b_e - gamma) / sqrt(2 pi)
+    Returns (x, c): the nodes x [n_half] on [0, 1] and the matrix
+    c [n_half, E] with c[i, e] = w_i x_i^(b_e - gamma) / sqrt(2 pi)
     (Gauss-Jacobi weights for x^gamma, gamma = min exponent, folded with the
-    rest of each power and the normal constant); the Gauss-Hermite nodes z
-    [n_herm] and weights w [n_herm] of E[f(Z)], Z ~ N(0, 1). Cached, so calls
-    after the first make no host-to-device copy (CUDA-graph friendly).
+    rest of each power and the normal constant). Cached, so calls after the
+    first make no host-to-device copy (CUDA-graph friendly).
     """
     gamma = min(exponents)
     xj, wj = _jacobi_rule(gamma, n_half)
     c = np.stack([wj * xj ** (b - gamma) for b in exponents], axis=1) * _INV_SQRT_2PI
+    as_t = functools.partial(torch.as_tensor, device=device, dtype=dtype)
+    return as_t(xj), as_t(c)
+
+
+@functools.lru_cache(maxsize=None)
+def _hermite_rule(n_herm: int, device: torch.device, dtype: torch.dtype):
+    """Gauss-Hermite nodes u [n_herm] and log-weights [n_herm] of E[f(U)], U ~ N(0, 1) (cached)."""
     zh, wh = np.polynomial.hermite_e.hermegauss(n_herm)  # weight exp(-z^2 / 2)
     as_t = functools.partial(torch.as_tensor, device=device, dtype=dtype)
-    return as_t(xj), as_t(c), as_t(zh), as_t(wh * _INV_SQRT_2PI)
+    return as_t(zh), as_t(np.log(wh * _INV_SQRT_2PI))
+
+
+def _centre(exponents) -> float:
+    """The exponent whose integrand's peak centres the shared Hermite nodes:
+    the middle one (the solver's exponents are beta, beta-1, beta-2), >= 0."""
+    return max(0.5 * (min(exponents) + max(exponents)), 0.0)
+
+
+def _needs_half_line(exponents, n_herm: int = HERMITE_NODES) -> bool:
+    """Whether some element can fall outside the centred Hermite rule's range.
+
+    The rule is valid where d = sqrt(r^2 + b_c) >= _HERMITE_FROM_D (see
+    _quadrature_moments), and d >= sqrt(b_c) always: for b_c >= D^2 (alpha
+    below ~1.016 in the solver) the half-line rule is never selected and is
+    not evaluated. A host-side decision on the exponents, never on data.
+    """
+    return _centre(exponents) < _HERMITE_FROM_D**2
 
 
 def _quadrature_moments(
     mu: torch.Tensor,
     sigma: torch.Tensor,
     exponents,
+    log_mu=None,
     n_half: int = QUAD_NODES,
     n_herm: int = HERMITE_NODES,
 ):
     """E[Y_+^b] for each b in ``exponents`` (all > -1), Y ~ N(mu, sigma^2), sigma > 0 assumed.
 
-    Two rules, both evaluated everywhere (fixed shapes) and selected per
-    element by t = mu / sigma:
+    ``log_mu``: log(mu) where mu > 0 (any value elsewhere), when the caller
+    has it more accurately than ``mu.log()`` (the solver's mu = 1 + (alpha-1) v
+    with alpha - 1 down to 2^-33: log1p((alpha-1) v) keeps v's digits that
+    1 + (alpha-1) v has rounded away). Every power is formed as
+    exp(b * log(...)): b = 1 / (alpha - 1) reaches 2^33, where the powers and
+    the Gamma-function sizes of the integrals leave every float range.
 
-    * t < 8: the integral over the positive half-line only,
+    Two rules, both evaluated everywhere (fixed shapes) and selected per
+    element, with t = mu / sigma:
+
+    * Centred Gauss-Hermite (Laplace-centred): the integrand of
+          E[Y_+^b] = sigma^b int (t + z)_+^b phi(z) dz
+      peaks at z* with z* (t + z*) = b_c (b_c = _centre(exponents)); with
+      r = t + z*, curvature 1 + b_c / r^2 and d = sqrt(r^2 + b_c), the nodes
+      are z = z* + (r / d) u_i, so that
+          E[Y_+^b] = (sigma r)^b (r / d) e^(-z*^2/2)
+                     sum_i w_i exp(b log1p(u_i / d) - z* (r / d) u_i + b_c u_i^2 / (2 d^2)),
+      a sum of nearly constant terms (the linear and quadratic parts of the
+      exponent cancel at b = b_c) for any b, however large. log(sigma r) =
+      log(mu + sigma z*) is log_mu + log1p(z* / t) for mu > 0. Valid where
+      d >= 8: with 20 nodes (|u_i| <= 7.62) every node has t + z > 0, and the
+      kink at z = -t sits >= 8 curvature widths from the peak. At b = 0 this
+      is plain Gauss-Hermite for t >= 8.
+    * d < 8 (t < 8 and b_c < 64): the integral over the positive half-line only,
           E[Y_+^b] = sigma^b int_0^inf s^b phi(s - t) ds,
       truncated at s = L(t) (where the integrand is negligible) and computed
       with a Gauss-Jacobi rule for the weight s^gamma, gamma = min exponent.
@@ -227,62 +270,137 @@ def _quadrature_moments(
       smaller of a Gaussian cut (max(t, 0) + sqrt(b) + 10: beyond it the
       integrand is < e^-50 of its peak) and a Gamma cut for t << 0, where the
       integrand ~ s^b exp(-|t| s) lives on a 1/|t| scale. All exponents share
-      the nodes: one exp per node and element, then a small matmul.
-    * t >= 8: Gauss-Hermite, E[Y_+^b] = sigma^b E[(t + Z)^b]. With 20 nodes the
-      lowest node is -7.6 > -t, so every t + z_i > 0 and the kink at Z = -t
-      (Gaussian weight < 5e-15 there) is never sampled.
+      the nodes: one exp per node and element, then a small matmul; the
+      scale factors are added in the log domain.
     """
     exps = tuple(float(b) for b in exponents)
-    b_max = max(exps)
-    xj, c, zh, wh = _rule_tensors(exps, n_half, n_herm, mu.device, mu.dtype)
+    b_max, b_min = max(exps), min(exps)
+    bc = _centre(exps)
+    dev, dt = mu.device, mu.dtype
     t = mu / sigma
-    neg = (-t).clamp_min(0.0)
-    gauss_cut = t.clamp_min(0.0) + (math.sqrt(max(b_max, 0.0)) + 10.0)
-    gamma_cut = (2.0 * (b_max + 1.0) + 40.0) / neg.clamp_min(1e-30)
-    length = torch.minimum(gauss_cut, gamma_cut)
-    hermite = t >= _HERMITE_FROM_T
-    t_h = t.clamp_min(_HERMITE_FROM_T)  # keeps t + z > 0 where the rule is not used either
+    log_s = torch.log(sigma)
+    pos = mu > 0
+    if log_mu is None:
+        log_mu = torch.log(torch.where(pos, mu, torch.ones_like(mu)))
+
+    # centred Hermite: in w = log(Y / Y*) when the half line is never needed
+    # (b_c >= 64, the near-softmax range: no kink in w, and the Gamma-like
+    # skew of t << 0 is gone), else in z (exact for polynomials at b_c = 0,
+    # where the log map is not). r (r - t) = b_c + l, z* = r - t, l = 1 in w
+    # and 0 in z, without cancellation on either side of t = 0.
+    log_space = not _needs_half_line(exps, n_herm)
+    bl = bc + 1.0 if log_space else bc
+    q = torch.sqrt(t * t + 4.0 * bl)
+    up = t >= 0
+    r = torch.where(up, 0.5 * (t + q), 2.0 * bl / (q - t))
+    z_star = torch.where(up, 2.0 * bl / (t + q).clamp_min(torch.finfo(dt).tiny), 0.5 * (q - t))
+    d = torch.sqrt(r * r + bl)
+    hermite = (d >= _HERMITE_FROM_D) & (r > 0)
+    d = torch.where(hermite, d, torch.full_like(d, 2.0 * _HERMITE_FROM_D))  # keeps 1 + u / d > 0
+    r = torch.where(hermite, r, torch.ones_like(r))
+    z_star = torch.where(hermite, z_star, torch.zeros_like(z_star))
+    kappa = 1.0 / d if log_space else r / d
+    t_safe = torch.where(pos, t, torch.ones_like(t))
+    # log(sigma r) = log(mu + sigma z*)
+    log_peak = torch.where(pos, log_mu + torch.log1p(z_star / t_safe), log_s + torch.log(r))
+    u, log_w = _hermite_rule(n_herm, dev, dt)
+    gap = [b - b_min for b in exps]
+    int_gaps = all(float(g).is_integer() and g <= 3 for g in gap)
+
+    half_on = _needs_half_line(exps, n_herm)
+    if half_on:
+        xj, c = _half_rule(exps, n_half, dev, dt)
+        neg = (-t).clamp_min(0.0)
+        gauss_cut = t.clamp_min(0.0) + (math.sqrt(max(b_max, 0.0)) + 10.0)
+        gamma_cut = (2.0 * (b_max + 1.0) + 40.0) / neg.clamp_min(1e-30)
+        length = torch.minimum(gauss_cut, gamma_cut)
 
     shape = mu.shape
-    flat_t, flat_len, flat_th = t.reshape(-1, 1), length.reshape(-1, 1), t_h.reshape(-1, 1)
-    numel = flat_t.shape[0]
-    half = torch.empty(numel, len(exps), dtype=mu.dtype, device=mu.device)
-    herm = torch.empty_like(half)
-    chunk = max(1, _QUAD_CHUNK_ELEMS // max(n_half, n_herm))
+    flat = lambda x: x.reshape(-1, 1)  # noqa: E731
+    numel = t.numel()
+    herm_out = torch.empty(numel, len(exps), dtype=dt, device=dev)
+    half_out = torch.empty_like(herm_out) if half_on else None
+    n_nodes = max(n_half if half_on else 0, n_herm)
+    chunk = max(1, _QUAD_CHUNK_ELEMS // n_nodes)
+    f_k, f_z, f_r, f_d = flat(kappa), flat(z_star), flat(r), flat(d)
+    if half_on:
+        f_t, f_len = flat(t), flat(length)
+    log_w_u = log_w + 0.5 * u * u
     for start in range(0, numel, chunk):  # Python loop over shapes only
         sl = slice(start, start + chunk)
-        # half line, s = L x: int_0^L s^b phi(s - t) ds = L^(b+1) sum_i c_ib phi-part(L x_i - t)
-        arg = flat_len[sl] * xj - flat_t[sl]
-        half[sl] = torch.exp(-0.5 * arg * arg) @ c
-        # Hermite: E[(t + Z)^b] = sum_i w_i exp(b log(t + z_i))
-        log_tz = torch.log(flat_th[sl] + zh)
-        herm[sl] = torch.stack([torch.exp(e * log_tz) @ wh for e in exps], dim=-1)
+        # the sums start from exponent b_min, the others multiply by the
+        # ratio y_i = Y_i / Y* to the power gap when the gaps are small integers
+        if log_space:
+            # w_i = u_i / d, delta_i = r (e^w_i - 1): the exponent is
+            # (b + 1) w - z* delta - delta^2 / 2 + u^2 / 2
+            lg = f_k[sl] * u  # [chunk, n]
+            em = torch.expm1(lg)
+            delta = f_r[sl] * em
+            base = log_w_u - delta * (f_z[sl] + 0.5 * delta) + lg
+            y = 1.0 + em
+        else:
+            # z_i = z* + kappa u_i: b log1p(u / d) - z* kappa u + (1 - kappa^2) u^2 / 2
+            lg = torch.log1p(u / f_d[sl])
+            kk = f_k[sl]
+            base = log_w + u * (0.5 * (1.0 - kk * kk) * u - kk * f_z[sl])
+            y = 1.0 + u / f_d[sl]
+        if int_gaps:
+            e = torch.exp(base + b_min * lg)
+            for i, g in enumerate(gap):
+                herm_out[sl, i] = (e * y.pow(int(g)) if g else e).sum(-1)
+        else:
+            for i, b in enumerate(exps):
+                herm_out[sl, i] = torch.exp(base + b * lg).sum(-1)
+        if half_on:
+            # half line, s = L x: int_0^L s^b phi(s - t) ds = L^(b+1) sum_i c_ib phi-part(L x_i - t)
+            arg = f_len[sl] * xj - f_t[sl]
+            arg = -0.5 * arg * arg
+            top = arg.amax(-1, keepdim=True)
+            # log of the sum (-inf where it is 0), so that L^(b+1) sigma^b joins in the log domain
+            half_out[sl] = torch.log((torch.exp(arg - top) @ c).clamp_min(0.0)) + top
     out = []
-    for i, e in enumerate(exps):
-        h = half[:, i].reshape(shape) * length.pow(e + 1.0)
-        g = herm[:, i].reshape(shape)
-        out.append(torch.where(hermite, g, h) * sigma.pow(e))
+    # w: log(r / d) - z*^2 / 2 (ds = sigma r e^w dw); z: log(kappa) - z*^2 / 2
+    head = torch.log(kappa) - 0.5 * z_star * z_star
+    if log_space:
+        head = head + log_peak - log_s
+    for i, b in enumerate(exps):
+        g = torch.exp(b * log_peak + head + torch.log(herm_out[:, i].reshape(shape)))
+        if half_on:
+            h = torch.exp(half_out[:, i].reshape(shape) + (b + 1.0) * torch.log(length) + b * log_s)
+            g = torch.where(hermite, g, h)
+        out.append(g)
     return out
 
 
-def _moments(mu: torch.Tensor, sigma: torch.Tensor, exponents):
-    """E[Y_+^b] for each b in ``exponents``; sigma == 0 gives max(mu, 0)^b (1{mu > 0} for b = 0).
+def _moments(mu: torch.Tensor, sigma: torch.Tensor, exponents, log_mu=None):
+    """E[Y_+^b] for each b in ``exponents``; sigma == 0 (or too small to
+    matter, see below) gives max(mu, 0)^b (1{mu > 0} for b = 0).
 
     Closed forms when every exponent is in {0, 1, 2, 3}, quadrature otherwise.
+    ``log_mu``: an accurate log(mu) where mu > 0 (see _quadrature_moments).
     """
-    pos_sigma = sigma > 0
+    # A spread that no exponent can resolve counts as none: where
+    # max(|b|, 1) sigma <= eps |mu|, E[Y_+^b] = max(mu, 0)^b (1 + O(eps^2)),
+    # and the rules below never see |t| = |mu| / sigma > max(|b|, 1) / eps,
+    # which keeps t^2 finite (a float32 sigma of 1e-30 would overflow it).
+    b_abs = max(max(abs(float(b)) for b in exponents), 1.0)
+    pos_sigma = sigma * b_abs > mu.abs() * torch.finfo(mu.dtype).eps
     sig = torch.where(pos_sigma, sigma, torch.ones_like(sigma))  # no 0/0 in t
+    mu_q = torch.where(pos_sigma, mu, torch.zeros_like(mu))
     if all(float(b).is_integer() and 0 <= b <= 3 for b in exponents):
-        vals = [_closed_form(mu, sig, int(b)) for b in exponents]
+        vals = [_closed_form(mu_q, sig, int(b)) for b in exponents]
     else:
-        vals = _quadrature_moments(mu, sig, exponents)
+        log_q = None if log_mu is None else torch.where(pos_sigma, log_mu, torch.zeros_like(log_mu))
+        vals = _quadrature_moments(mu_q, sig, exponents, log_q)
     on = mu > 0
     mu_safe = torch.where(on, mu, torch.ones_like(mu))
     out = []
     for b, v in zip(exponents, vals):
         # sigma = 0: Y = mu exactly. Y_+^0 is read as 1{Y > 0}, consistent with
-        # E[Y_+^0] = Phi(t) and d/dtau E[Y_+] = -E[Y_+^0].
-        degenerate = torch.where(on, mu_safe.pow(b), torch.zeros_like(mu))
+        # E[Y_+^0] = Phi(t) and d/dtau E[Y_+] = -E[Y_+^0]. With log_mu the
+        # power is formed from it (mu itself may have lost the digits).
+        power = mu_safe.pow(b) if log_mu is None else torch.exp(b * log_mu)
+        degenerate = torch.where(on, power, torch.zeros_like(mu))
         out.append(torch.where(pos_sigma, v, degenerate))
     return out
 
@@ -356,6 +474,93 @@ def pooled_moments(
     return mu_g, var.sqrt(), n
 
 
+def _entmax_sums(v, s, w, a: float, exps):
+    """S_j = sum_p w_p E[(1 + a (v_p + s_p Z))_+^(beta - j)] along the last dim, one per exponent.
+
+    Y = 1 + a (v + s Z) is formed in score units: its log is log1p(a v) at
+    the mean, which keeps the digits of v that 1 + a v rounds away when a is
+    tiny (alpha - 1 down to 2^-33).
+    """
+    m = 1.0 + a * v
+    log_m = torch.log1p(torch.where(m > 0, a * v, torch.zeros_like(v)))
+    e = _moments(m, a * s, exps, log_m)
+    return [(w * x).sum(-1) for x in e]
+
+
+def _lambda_bracket(mu, sigma, w, present, a: float):
+    """[lo, hi] around the root in lambda (tau = a lambda - 1), scores shifted to max 0.
+
+    lo: page p alone has mass >= 1 there (see solve_tau_hat). hi: the smaller
+    of the Gaussian-tail bound and the softmax bound; the latter holds since
+    (1 + a y)_+^(1/a) <= e^y for every y, so F(lambda) <= sum_p w_p
+    e^(mu_p - lambda + sigma_p^2 / 2), which is <= 1 at its logsumexp.
+    """
+    beta = 1.0 / a
+    ninf = torch.full_like(mu, float("-inf"))
+    w_safe = torch.where(present, w, torch.ones_like(w))
+    # (2 / w)^a = 1 + a (mu_p - lo_p): expm1 keeps it exact for tiny a
+    lo = torch.where(present, mu - torch.expm1(a * torch.log(2.0 / w_safe)) / a, ninf).amax(-1)
+    # Gaussian tail: J_beta(-k) <= phi(k) 2^((beta-1)/2) Gamma((beta+1)/2), in logs
+    log_c = 0.5 * (beta - 1.0) * math.log(2.0) + math.lgamma(0.5 * (beta + 1.0)) + math.log(_INV_SQRT_2PI)
+    s = a * sigma
+    log_terms = torch.where(present & (s > 0), torch.log(w_safe) + beta * torch.log(s.clamp_min(1e-300)), ninf)
+    log_spread = torch.logsumexp(log_terms, -1) + log_c
+    k = (2.0 * log_spread.clamp_min(0.0)).sqrt()
+    k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
+    hi_tail = torch.where(present, mu + k.unsqueeze(-1) * sigma, ninf).amax(-1) + beta
+    hi_soft = torch.logsumexp(torch.where(present, torch.log(w_safe) + mu + 0.5 * sigma * sigma, ninf), -1)
+    hi = torch.minimum(hi_tail, hi_soft)
+    return torch.minimum(lo, hi), hi
+
+
+def _solve_lambda(mu, sigma, w, present, alpha: float, start, lo, hi, iters: int):
+    """Safeguarded Halley (Newton for alpha >= 2) on g(lambda) = log S0(lambda), fixed steps.
+
+    S0 = F + 1 = sum_p w_p E[Y_p+^beta], Y_p = 1 + a (mu_p - lambda + sigma_p Z):
+    dS0/dlambda = -S1 (a beta = 1) and d^2S0/dlambda^2 = (1 - a) S2, so
+    g' = -S1 / S0, g'' = (1 - a) S2 / S0 - g'^2. g is exactly linear in the
+    softmax limit and close to linear-quadratic otherwise (each term decays
+    like a Gaussian tail), so Halley from a pooled start converges in a few
+    steps; entmaxkv.entmax._safeguarded_step bisects when a step leaves the
+    bracket or stalls.
+    """
+    a = alpha - 1.0
+    beta = 1.0 / a
+    halley = beta > 1.0
+    exps = [beta, beta - 1.0, beta - 2.0] if halley else [beta, beta - 1.0]
+    tiny = 8.0 * torch.finfo(mu.dtype).eps
+    # a start outside the bracket restarts from its left end (F >= 0, smooth)
+    # rather than from hi, which sits on the kink of a zero-sigma page
+    lam = torch.where((start > lo) & (start < hi), start, lo)
+    step2 = hi - lo
+    step1 = hi - lo
+    for _ in range(iters):
+        sums = _entmax_sums(mu - lam.unsqueeze(-1), sigma, w, a, exps)
+        s0, s1 = sums[0], sums[1]
+        above = s0 > 1.0  # F > 0: the root lies to the right
+        lo = torch.where(above, lam, lo)
+        hi = torch.where(above, hi, lam)
+        # g = log S0 where S0 >= 1; (S0^a - 1) / a to the right of the root
+        # (same root, value and slope at S0 = 1; expm1 keeps its digits for
+        # tiny a), which stays finite with a finite slope where S0 -> 0 at
+        # the kink of a zero-sigma page: there log S0 is steep enough that
+        # a Newton step from next to the kink rounds to no step at all.
+        log_s0 = torch.log(s0)
+        pa = torch.where(above, torch.ones_like(s0), torch.exp(a * log_s0))  # S0^a, or 1
+        r1 = s1 / s0
+        r2 = sums[2] / s0 if halley else None
+        g = torch.where(above, log_s0, torch.expm1(a * log_s0) / a)
+        g1 = -pa * r1
+        if halley:
+            g2 = torch.where(above, (1.0 - a) * r2 - r1 * r1, (1.0 - a) * pa * (r2 - r1 * r1))
+        else:
+            g2 = None
+        new = _safeguarded_step(lam, lo, hi, g, g1, g2, step2, tiny * (1.0 + lam.abs()))
+        step2, step1 = step1, (new - lam).abs()
+        lam = new
+    return lam
+
+
 def solve_tau_hat(
     mu: torch.Tensor,
     sigma: torch.Tensor,
@@ -368,24 +573,28 @@ def solve_tau_hat(
     Solves, along the last dim,
 
         F(tau) = sum_p w_p E[ [(alpha-1) S_p - tau]_+^beta ] - 1 = 0,
-        S_p ~ N(mu_p, sigma_p^2),  beta = 1 / (alpha - 1).
+        S_p ~ N(mu_p, sigma_p^2),  beta = 1 / (alpha - 1),
 
-    With a = alpha - 1, each term is w_p E[Y_+^beta] for
-    Y ~ N(a mu_p - tau, (a sigma_p)^2), and dF/dtau = -beta sum_p w_p E[Y_+^(beta-1)].
+    for every alpha > 1, including alpha - 1 down to 2^-33 (where beta is
+    2^33 and Gamma(beta) has long left every float range). It solves for
+    lambda with tau = (alpha - 1) lambda - 1, so that, with a = alpha - 1,
 
-    The root is bracketed without host branching:
-      * lo = max_p (a mu_p - (2 / w_p)^a): at tau = lo, Y_p >= (2 / w_p)^a
-        whenever S_p >= mu_p (probability >= 1/2), so page p alone has mass
-        >= w_p (1/2) (2 / w_p) = 1 and F(lo) >= 0;
-      * hi = max_p (a mu_p + k a sigma_p), with k chosen so that
-        sum_p w_p (a sigma_p)^beta J_beta(-k) <= 1, using
-        J_beta(-k) <= phi(k) 2^((beta-1)/2) Gamma((beta+1)/2); so F(hi) <= 0.
-    It then runs a fixed number of Halley steps (Newton for alpha >= 2, where
-    E[Y_+^(beta-2)] diverges) on h = (F + 1)^(alpha-1) - 1, an L^beta norm of
-    Y_+ under the page mixture: convex for alpha <= 2 and exactly linear for
-    a single page with sigma = 0. Steps fall back to bisection when they leave
-    the bracket or stall (entmaxkv.entmax._safeguarded_step, shared with the
-    exact solver).
+        (alpha-1) S_p - tau = 1 + a (S_p - lambda),
+
+    a quantity whose deviation from 1 stays in score units (lambda -> the
+    log-partition as alpha -> 1), and forms every moment in the log domain
+    (_quadrature_moments). After shifting the scores by their row max:
+
+      * bracket: lo = max_p (mu_p - ((2 / w_p)^a - 1) / a): at lo page p alone
+        has Y_p >= (2 / w_p)^a whenever S_p >= mu_p (probability >= 1/2), so
+        its mass is >= w_p (1/2) (2 / w_p) = 1 and F(lo) >= 0; hi = the
+        smaller of max_p (mu_p + k sigma_p) + 1 / a, with k chosen so that
+        sum_p w_p (a sigma_p)^beta J_beta(-k) <= 1 (using J_beta(-k) <=
+        phi(k) 2^((beta-1)/2) Gamma((beta+1)/2), in logs), and the softmax
+        bound logsumexp_p(log w_p + mu_p + sigma_p^2 / 2); F(hi) <= 0.
+      * start: the same equation for the pooled Gaussian (``pooled_moments``,
+        one term: cheap), solved from its own left end, clamped into the bracket.
+      * ``iters`` safeguarded Halley steps on log(F + 1) (_solve_lambda).
 
     Args:
         mu: float [..., M], per-page mean score.
@@ -395,7 +604,8 @@ def solve_tau_hat(
         alpha: Python float >= 1. alpha == 1 returns the softmax analogue
             logsumexp_p(log w_p + mu_p + sigma_p^2 / 2) (the log of the
             expected partition function).
-        iters: number of Halley steps (fixed: no data-dependent stopping).
+        iters: number of Halley steps on the page mixture (fixed: no
+            data-dependent stopping).
 
     Returns:
         tau_hat [...]: float32 (float64 if any input is float64); +inf on rows
@@ -411,6 +621,7 @@ def solve_tau_hat(
     # Absent pages get neutral, finite stand-ins so that no inf/NaN enters sums.
     mu = torch.where(present, mu, torch.zeros_like(mu))
     sigma = torch.where(present, sigma, torch.zeros_like(sigma))
+    w = torch.where(present, w, torch.zeros_like(w))
 
     if alpha == 1.0:
         logw = torch.where(present, w, torch.ones_like(w)).log()
@@ -419,49 +630,23 @@ def solve_tau_hat(
         return torch.where(none, inf, torch.logsumexp(terms, dim=-1))
 
     a = alpha - 1.0
-    beta = 1.0 / a
-    m = a * mu  # mean of (alpha-1) S_p
-    s = a * sigma  # std of (alpha-1) S_p
-    ninf = torch.full_like(m, float("-inf"))
-
-    # Bracket (see docstring). Shifting by c = max_p m_p keeps tau - c O(1..k s).
-    c = torch.where(present, m, ninf).amax(-1)
+    # shift by the row max so that lambda - c is O(log n + k sigma)
+    c = torch.where(present, mu, torch.full_like(mu, float("-inf"))).amax(-1)
     c = torch.where(none, torch.zeros_like(c), c)
-    m = m - c.unsqueeze(-1)
-    w_safe = torch.where(present, w, torch.ones_like(w))
-    lo = torch.where(present, m - (2.0 / w_safe).pow(a), ninf).amax(-1)
-    c_beta = 2.0 ** ((beta - 1.0) / 2.0) * math.gamma((beta + 1.0) / 2.0) * _INV_SQRT_2PI
-    spread = (w * s.pow(beta)).sum(-1) * c_beta  # absent pages: w = 0, s = 0
-    floor = torch.finfo(dtype).tiny  # log(0) guard; spread < 1 gives k = 0 anyway
-    k = (2.0 * torch.log(spread.clamp_min(floor)).clamp_min(0.0)).sqrt()
-    hi = torch.where(present, m + k.unsqueeze(-1) * s, ninf).amax(-1)
+    mu = torch.where(present, mu - c.unsqueeze(-1), torch.zeros_like(mu))
+    lo, hi = _lambda_bracket(mu, sigma, w, present, a)
     lo = torch.where(none, torch.full_like(lo, -1.0), lo)
     hi = torch.where(none, torch.zeros_like(hi), hi)
-    lo = torch.minimum(lo, hi)
 
-    # Moments needed per step: beta (mass), beta-1 (F'), beta-2 (F'') while
-    # the last is integrable (beta > 1); Newton only otherwise.
-    halley = beta > 1.0
-    exps = [beta, beta - 1.0, beta - 2.0] if halley else [beta, beta - 1.0]
-
-    def power_sums(tau):
-        # the entmax solver's S0, S1, S2 with sums over tokens replaced by
-        # expectations: S_j = sum_p w_p E[Y_p+^(beta-j)]
-        e = _moments(m - tau.unsqueeze(-1), s, exps)
-        sums = [(w * v).sum(-1) for v in e]
-        return sums[0], sums[1], sums[2] if halley else None
-
-    tiny = 8.0 * torch.finfo(dtype).eps
-    tau = lo.clone()
-    step1 = hi - lo  # |step| one and two iterations back (rtsafe bookkeeping)
-    step2 = hi - lo
-    for _ in range(iters):
-        s0, s1, s2 = power_sums(tau)
-        above = s0 > 1.0  # F(tau) > 0: the root lies to the right
-        lo = torch.where(above, tau, lo)
-        hi = torch.where(above, hi, tau)
-        h, h1, h2 = _h_and_derivs(s0, s1, s2, alpha)
-        new = _safeguarded_step(tau, lo, hi, h, h1, h2, step2, tiny * (1.0 + tau.abs()))
-        step2, step1 = step1, (new - tau).abs()
-        tau = new
-    return torch.where(none, inf, tau + c)
+    # pooled start: one Gaussian, its own bracket and left end
+    mu_g, sigma_g, n_g = (x.unsqueeze(-1) for x in pooled_moments(mu, sigma, w))
+    p_g = n_g > 0
+    lo_g, hi_g = _lambda_bracket(mu_g, sigma_g, n_g, p_g, a)
+    lo_g = torch.where(none, lo, lo_g)
+    hi_g = torch.where(none, hi, hi_g)
+    start = _solve_lambda(mu_g, sigma_g, torch.where(p_g, n_g, torch.ones_like(n_g)), p_g, alpha,
+                          lo_g, lo_g, hi_g, POOLED_START_ITERS)
+    start = torch.where(torch.isfinite(start), start, lo)
+    lam = _solve_lambda(mu, sigma, w, present, alpha, start, lo, hi, iters)
+    # tau = a (lambda + c) - 1
+    return torch.where(none, inf, a * (lam + c) - 1.0)

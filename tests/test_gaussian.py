@@ -362,3 +362,113 @@ def test_tau_hat_validation():
     for bad in [0.5, math.nan]:
         with pytest.raises(ValueError, match="alpha"):
             solve_tau_hat(mu, sigma, w, bad)
+
+
+# ---------------------------------------------------------------- tau_hat near softmax and up to ALPHA_MAX
+
+
+def _mp_page_mass(mp, v, s, a):
+    """E[(1 + a (v + s Z))_+^(1/a)], Z ~ N(0, 1), by mpmath quadrature (tanh-sinh).
+
+    The integrand peaks at z* with a s z*^2 + (1 + a v) z* - s = 0 and has
+    unit-or-narrower width there, so [z* - 60, z* + 60] (cut at the kink)
+    holds all of it to far below float64 precision.
+    """
+    v, s, a = mp.mpf(v), mp.mpf(s), mp.mpf(a)
+    m = 1 + a * v
+    if s == 0:
+        return m ** (1 / a) if m > 0 else mp.mpf(0)
+    root = mp.sqrt(m * m + 4 * a * s * s)
+    z_peak = 2 * s / (m + root) if m > 0 else (root - m) / (2 * a * s)
+
+    def f(z):
+        y = m + a * s * z
+        return mp.exp(mp.log(y) / a - z * z / 2) if y > 0 else mp.mpf(0)
+
+    left = max(-m / (a * s), z_peak - 60)
+    return mp.quad(f, [left, z_peak, z_peak + 60]) / mp.sqrt(2 * mp.pi)
+
+
+def _mp_log_mass(mp, mu, sigma, w, alpha, tau):
+    """log sum_p w_p E[((alpha-1) S_p - tau)_+^beta], S_p ~ N(mu_p, sigma_p^2), in mpmath.
+
+    Written with lambda = (tau + 1) / (alpha - 1), so that (alpha-1) S - tau =
+    1 + (alpha-1) (S - lambda): alpha - 1 = 1e-9 keeps its digits.
+    """
+    a = mp.mpf(alpha) - 1
+    lam = (mp.mpf(tau) + 1) / a
+    total = mp.fsum(mp.mpf(wi) * _mp_page_mass(mp, mi - lam, si, a) for mi, si, wi in zip(mu, sigma, w) if wi > 0)
+    return mp.log(total)
+
+
+TRUTH_ALPHAS = [1 + 1e-9, 1.0001, 1.005, 1.0057, 1.02, 1.25, 1.5, 1.7, 2.0, 2.5, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("alpha", TRUTH_ALPHAS, ids=lambda a: f"alpha={a:.10g}")
+def test_tau_hat_matches_high_precision_truth(alpha):
+    """tau_hat (float64 and float32) against a 30-digit mpmath evaluation of its
+    equation: the log of the mixture's mass at the returned tau must vanish.
+
+    log mass has slope -S1 / S0 = O(1 .. 10) in lambda = (tau + 1) / (alpha - 1),
+    and tau itself carries an absolute rounding error of eps (|tau| ~ 1 near
+    softmax), i.e. eps / (alpha - 1) in lambda: the tolerance is that
+    representational floor (times a small factor) plus 1e-11.
+    """
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 30
+    g = torch.Generator().manual_seed(int(alpha * 1e6) % 1000)
+    for scale in [0.5, 3.0]:
+        mu = torch.randn(5, generator=g, dtype=F64) * scale
+        sigma = torch.rand(5, generator=g, dtype=F64) * scale
+        sigma[3] = 0.0  # one page of identical scores
+        w = torch.randint(1, 17, (5,), generator=g).to(F64)
+        args = (mu.tolist(), sigma.tolist(), w.tolist(), alpha)
+        a = alpha - 1.0
+        for dtype, eps in [(F64, 2.0**-52), (torch.float32, 2.0**-23)]:
+            tau = solve_tau_hat(mu.to(dtype), sigma.to(dtype), w.to(dtype), alpha)
+            assert tau.dtype == dtype and torch.isfinite(tau)
+            tau = tau.item()
+            resid = abs(float(_mp_log_mass(mp, *args, tau)))
+            floor = 16 * eps * (1 + abs(tau)) / a * (1 + scale)
+            tol = floor + (1e-11 if dtype == F64 else 1e-5)
+            assert resid <= tol, (scale, dtype, tau, resid, tol)
+
+
+@pytest.mark.parametrize("alpha", [1 + 2.0**-33, 1 + 1e-9, 1.0001, 1.001, 1.003, 1.0057, 1.00579])
+def test_no_overflow_just_above_softmax(alpha):
+    """1 < alpha < 1.0058 made math.gamma((beta + 1) / 2) overflow a Python float
+    (OverflowError); every dtype and shape now gives a finite tau_hat, with
+    lambda = (tau + 1) / (alpha - 1) near the softmax value
+    logsumexp(log w + mu + sigma^2 / 2) (they differ by O((alpha - 1) x^2))."""
+    mu, sigma, w = random_pages(3, 40, 31)
+    expected = torch.logsumexp(torch.where(w > 0, w.log() + mu + sigma**2 / 2, -math.inf), -1)
+    for dtype in [F64, torch.float32]:
+        tau = solve_tau_hat(mu.to(dtype), sigma.to(dtype), w.to(dtype), alpha)
+        assert torch.isfinite(tau).all()
+        if dtype == F64:
+            lam = (tau + 1.0) / (alpha - 1.0)
+            # second-order term of the entmax map: (alpha - 1) times O(score^2 + sigma^4)
+            # here, plus tau's own rounding (eps absolute) seen through 1 / (alpha - 1)
+            floor = 8 * 2.0**-52 * (1 + tau.abs().max().item()) / (alpha - 1.0)
+            assert (lam - expected).abs().max().item() <= 1e-10 + 200 * (alpha - 1.0) + floor
+        # E[(1 + a S)_+^(1/a)] -> E[e^S] = e^(mu + sigma^2 / 2) as a -> 0; float32
+        # rounds 1 + a mu to 1 (the solver keeps those digits in log1p form)
+        a = alpha - 1.0
+        m = truncated_power_moment((1.0 + a * mu).to(dtype), (a * sigma).to(dtype), 1.0 / a)
+        assert torch.isfinite(m).all()
+        if dtype == F64:
+            assert torch.allclose(m, torch.exp(mu + sigma**2 / 2), rtol=1e-5 + 200 * a, atol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.7, 2.5, 4.0])
+def test_tiny_sigma_is_zero_sigma(alpha):
+    """A spread no exponent resolves (float32 sigma 1e-30 made mu / sigma overflow,
+    NaN moments) and a zero-sigma page on the bracket's kink (the solver used to
+    stall there) both give the exact threshold of the repeated scores."""
+    mu = torch.tensor([0.0, -3.0, 5.0, -40.0], dtype=F64)
+    w = torch.tensor([16.0, 16.0, 3.0, 16.0], dtype=F64)
+    tau, _ = entmax_threshold(torch.repeat_interleave(mu, w.long()), alpha)
+    for dtype in [F64, torch.float32]:
+        for s in [0.0, 1e-30, 1e-12, 1e-9]:
+            got = solve_tau_hat(mu.to(dtype), torch.full((4,), s, dtype=dtype), w.to(dtype), alpha)
+            assert abs(got.item() - tau.item()) <= (1e-12 if dtype == F64 else 4e-7) * (1 + abs(tau.item())), (dtype, s)

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 @pytest.mark.parametrize("alpha,pooled,per_q,slopes", [
     (1.5, False, False, False), (2.0, False, False, True), (4.0 / 3.0, False, True, True),
     (1.5, True, False, True), (1.25, False, False, False),
-], ids=["a1.5", "a2-alibi", "a4/3-per-q", "a1.5-pooled", "a1.25-reference-path"])
+    (1.0001, False, False, True), (1.0001, True, True, False),
+], ids=["a1.5", "a2-alibi", "a4/3-per-q", "a1.5-pooled", "a1.25-reference-path",
+        "a1.0001-reference-path", "a1.0001-pooled-per-q"])
 def test_gaussian_select(alpha, pooled, per_q, slopes):
     _check_gaussian_select(alpha, pooled, per_q, slopes)
 
