@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ._checks import device_flag, float_flag, int_flag
+from .limits import ALPHA_MAX
 from .cache import PagedKVCache
 from .backend import resolve_backend
 from .decode import decode, run_step
@@ -55,8 +56,9 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--q-scale", type=float_flag(lo=0.0, lo_open=True), default=1.0,
                    help="multiply queries by this (> 0; larger: sharper attention)")
     g = p.add_argument_group("attention and policies")
-    g.add_argument("--alpha", type=float_flag(lo=1.0, lo_open=True), default=1.5,
-                   help="entmax alpha > 1 for the entmax rows (default 1.5; the softmax rows always run)")
+    g.add_argument("--alpha", type=float_flag(lo=1.0, hi=ALPHA_MAX, lo_open=True), default=1.5,
+                   help=f"entmax alpha in (1, {ALPHA_MAX:g}] for the entmax rows "
+                        "(default 1.5; the softmax rows always run)")
     g.add_argument("--alibi", action="store_true", help="add ALiBi slopes to half the heads (NAPE)")
     g.add_argument("--budget", type=POS, default=1024,
                    help="top-k token budget, at least --page-size (default 1024)")

@@ -16,6 +16,7 @@ from ._checks import as_float, as_int, describe, is_int
 from .attention import selection_mask
 from .cache import PagedKVCache
 from .entmax import entmax
+from .limits import check_alpha
 from .types import Selection
 
 
@@ -28,7 +29,7 @@ def _tensor(x, name: str, shape_text: str, ndim: int, *, floating: bool = True) 
 
 
 def _check_alpha_scale(alpha, scale):
-    return as_float(alpha, "alpha", lo=1.0), as_float(scale, "scale", lo=0.0, lo_open=True)
+    return check_alpha(alpha), as_float(scale, "scale", lo=0.0, lo_open=True)
 
 
 def _check_slopes(slopes, HQ: int):
@@ -52,7 +53,7 @@ def dense_attention(
 
     Args:
         q: float [HQ, D]; k, v: float [n, H, D] with HQ a multiple of H.
-        alpha: number >= 1 (1: softmax); scale: number > 0.
+        alpha: number in [1, ALPHA_MAX] (1: softmax); scale: number > 0.
         slopes: optional float [HQ] ALiBi slopes.
         length: int in [1, n], tokens to use (default n); the query sits at
             position length-1.
@@ -155,7 +156,7 @@ def evaluate_selection(
         seq_ids: B allocated slots (ints, or an int tensor [B]).
         sel: the Selection the sparse decode used (pages [B, S, W], S dividing HQ).
         out_sparse: [B, HQ, D] the sparse output.
-        alpha: number >= 1; scale: number > 0; slopes: optional float [HQ].
+        alpha: number in [1, ALPHA_MAX]; scale: number > 0; slopes: optional float [HQ].
     Raises:
         ValueError naming the argument for bad input.
     """

@@ -37,4 +37,4 @@ def test_demo_table_via_module():
 def test_demo_rejects_softmax_alpha(capsys):
     assert main(["demo", "--alpha", "1.0"]) == 2
     err = capsys.readouterr().err
-    assert "--alpha" in err and "expected a finite number > 1" in err
+    assert "--alpha" in err and "expected a finite number in (1, 4]" in err

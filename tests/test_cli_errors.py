@@ -38,7 +38,7 @@ POS_FLOAT = ["0", "-1", "nan", "inf", "x"]  # a finite number > 0
 NONNEG_FLOAT = ["-1", "nan", "inf", "x"]  # a finite number >= 0
 OPEN_UNIT = ["0", "1", "-0.5", "1.5", "nan", "inf", "x"]  # a number in (0, 1)
 UNIT = ["-0.5", "1.5", "nan", "inf", "x"]  # a number in [0, 1]
-ALPHA = ["1", "0.5", "-1", "nan", "inf", "x"]  # a finite number > 1
+ALPHA = ["1", "0.5", "-1", "4.5", "nan", "inf", "x"]  # a finite number in (1, ALPHA_MAX]
 DEVICE = ["tpu", "cuda:99", "", "cpu:x"]
 if not torch.cuda.is_available():
     DEVICE.append("cuda")

@@ -144,7 +144,7 @@ def _cases():
                                  torch.ones(4, 8, dtype=torch.int32)], dense(q=...))
     add("dense_attention", "k", [None, torch.randn(10, 8), torch.randn(10, 3, 8), torch.randn(0, 2, 8)], dense(k=...))
     add("dense_attention", "v", [None, torch.randn(9, 2, 8), torch.randn(10, 2, 4)], dense(v=...))
-    add("dense_attention", "alpha", BAD_FLOAT + [0.5], dense(alpha=...))
+    add("dense_attention", "alpha", BAD_FLOAT + [0.5, 4.5], dense(alpha=...))
     add("dense_attention", "scale", BAD_FLOAT + [0.0, -1.0, INF], dense(scale=...))
     add("dense_attention", "slopes", [torch.ones(3), [0.0] * 4, torch.ones(4, dtype=torch.int64)], dense(slopes=...))
     add("dense_attention", "length", optional(BAD_INT) + [0, 11, -1], dense(length=...))

@@ -38,6 +38,7 @@ from ..model.data import load_split
 from ..model.generate import DecodeSession
 from ..policies import Certified, Full, Gaussian, TopK
 from .._checks import float_flag
+from ..limits import ALPHA_MAX
 from ..model.data import passkey_min_length
 from .common import (POS, TWINS, Timer, add_common_args, add_gaussian_args, check_common_args,
                      check_prompt_lengths, device_info,
@@ -60,8 +61,8 @@ def add_quality_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capture-seqs", type=POS, default=4, help="prompts per capture length")
     g.add_argument("--capture-steps", type=POS, default=2, help="decode steps captured per prompt")
     add_gaussian_args(g)
-    g.add_argument("--alpha", type=float_flag(lo=1.0, lo_open=True), default=1.5,
-                   help="entmax alpha > 1 of the synthetic rows")
+    g.add_argument("--alpha", type=float_flag(lo=1.0, hi=ALPHA_MAX, lo_open=True), default=1.5,
+                   help=f"entmax alpha in (1, {ALPHA_MAX:g}] of the synthetic rows")
 
 
 def check_quality_args(args, stream_len: Optional[int] = None) -> None:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import device_flag, float_flag, int_flag
+from ..limits import ALPHA_MAX
 from .checkpoint import check_model_dir, load_model, save_model
 from .data import (BatchRecipe, PK_DIGITS, draw_key, encode, load_split, passkey_prompt,
                    sample_batch, test_windows)
@@ -82,7 +83,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-kv-heads", type=POS, default=4, help="KV heads, dividing --n-heads")
     p.add_argument("--d-ff", type=POS, default=704)
     p.add_argument("--positions", default="nape", choices=["nape", "rope", "alibi", "nope"])
-    p.add_argument("--alpha", type=float_flag(lo=1.0, lo_open=True), default=1.5)
+    p.add_argument("--alpha", type=float_flag(lo=1.0, hi=ALPHA_MAX, lo_open=True), default=1.5,
+                   help=f"entmax alpha in (1, {ALPHA_MAX:g}] of every attention layer (default 1.5)")
     p.add_argument("--val-windows", type=POS, default=16, help="held-out windows for the final loss")
     p.add_argument("--no-amp", action="store_true", help="train in float32 (default bf16 autocast on CUDA)")
 
