@@ -39,10 +39,11 @@ CASES = [(i, *c) for i, c in enumerate(GRID)]
 IDS = [f"{i}-{str(dt)[6:]}-d{D}-h{H}g{G}-p{P}" for i, dt, D, (H, G), P in CASES]
 
 
-def _case(i, dtype, D, H, G, P):
-    """(cache, ids, q, slopes, scale, tag) of sweep case i: three rows (about
-    3000 tokens, 1537, one page and a bit); ALiBi on odd cases (NAPE: half
-    the heads without position)."""
+def _case(i, dtype, D, heads, P):
+    """(cache, ids, q, slopes, scale) of sweep case i, heads = (kv heads H,
+    group G): three rows (about 3000 tokens, 1537, one page and a bit); ALiBi
+    on odd cases (NAPE: half the heads without position)."""
+    H, G = heads
     cache, ids, q, _ = random_case([3000 + 17 * i, 1537, P + 3], H, G, D, P, dtype, seed=i, device="cuda")
     slopes = alibi(H * G).cuda() if i % 2 == 1 else None
     return cache, ids, q, slopes, 1.0 / math.sqrt(D)
