@@ -92,7 +92,8 @@ def run_cases():
     from entmaxkv.kernels import AttentionConfig, KernelConfig, TopKConfig
     from entmaxkv.testing import random_case
 
-    base = [(Full(), (1.0, 1.5, 2.0, 1.25)), (TopK(128), (1.0, 1.5, 2.0, 1.25)),
+    # alpha 1.25 and 3.0: the log1p and float64 forms of the entmax passes
+    base = [(Full(), (1.0, 1.5, 2.0, 1.25, 3.0)), (TopK(128), (1.0, 1.5, 2.0, 1.25, 3.0)),
             (TopK(64, sinks=1, window=1, per_query_head=True), (1.0, 1.5)),
             (Gaussian(), (1.5, 2.0, 4.0 / 3.0)), (Gaussian(pooled=True), (1.5,)),
             (Certified(), (1.5, 2.0)), (Certified(seed=Gaussian()), (1.5,))]
