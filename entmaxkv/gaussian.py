@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 # one alpha validation and one root-finding safeguard for the whole package
-from .entmax import _check_alpha, _h_and_derivs, _safeguarded_step
+from .entmax import _check_alpha, _safeguarded_step
 
 __all__ = [
     "normal_cdf",

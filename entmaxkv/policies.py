@@ -11,7 +11,6 @@ selects for each query head separately.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

@@ -48,6 +48,49 @@ def random_cache(
     return cache, slots, k.to(dtype).float(), v.to(dtype).float()
 
 
+POISON_KINDS = ("nan-k", "nan-kv", "nan-v", "inf-k", "overflow", "nan-q")
+
+
+def poisoned_case(kind: str, where: str, lens: Sequence[int], page_size: int, group: int, dtype,
+                  *, seed: int = 0, kv_heads: int = 2, head_dim: int = 16, device="cpu"):
+    """A cache whose row 0 holds one bad value of KV head 0, for the
+    non-finite-input tests; every other row is clean.
+
+    kind: "nan-k", "nan-kv", "nan-v", "inf-k", "overflow" (1e5 in a key:
+    finite in float32, inf once stored as float16) or "nan-q" (the bad value
+    is in query head 0 instead). where: "kept" (the last page, which every
+    policy keeps) or "dropped" (page 0). Returns (cache, seq ids, q
+    ``[len(lens), kv_heads * group, head_dim]`` in ``dtype``), on ``device``.
+    """
+    if kind not in POISON_KINDS:
+        raise ValueError(f"kind: expected one of {POISON_KINDS}, got {kind!r}")
+    if where not in ("kept", "dropped"):
+        raise ValueError(f"where: expected 'kept' or 'dropped', got {where!r}")
+    gen = torch.Generator().manual_seed(seed)
+    P, H, D = page_size, kv_heads, head_dim
+    cache = PagedKVCache(sum(-(-n // P) for n in lens) + 2, P, H, D, max_seqs=len(lens), dtype=dtype,
+                         device=device)
+    q = torch.randn(len(lens), H * group, D, generator=gen) * 1.5
+    seqs = []
+    for b, n in enumerate(lens):
+        k = torch.randn(n, H, D, generator=gen) * 1.5
+        v = torch.randn(n, H, D, generator=gen)
+        if b == 0 and kind != "nan-q":
+            j = n - 1 if where == "kept" else 1
+            if kind in ("nan-k", "nan-kv"):
+                k[j, 0, 3] = float("nan")
+            if kind in ("nan-v", "nan-kv"):
+                v[j, 0, 5] = float("nan")
+            if kind == "inf-k":
+                k[j, 0, 3] = float("inf")
+            if kind == "overflow":
+                k[j, 0, 3] = 1e5
+        seqs.append(cache.allocate(k.to(device), v.to(device), check_finite=False))
+    if kind == "nan-q":
+        q[0, 0, 2] = float("nan")
+    return cache, seqs, q.to(dtype).to(device)
+
+
 def random_case(lens, H, G, D, P, dtype=torch.float32, seed=0, key_scale=1.5, slopes=False, device=None):
     """A random decode case: (cache, ids int32 ``[B]``, q ``[B, H*G, D]`` in
     ``dtype``, ALiBi slopes ``[H*G]`` or None), all on ``device`` (default DEVICE)."""

@@ -18,7 +18,7 @@ from entmaxkv import Certified, Full, Gaussian, TopK, decode
 from entmaxkv import attention as RA
 from entmaxkv import policies as RP
 from entmaxkv import scoring as RS
-from entmaxkv.cache import PagedKVCache
+from entmaxkv.testing import poisoned_case
 from entmaxkv.types import Selection
 
 NAN, INF = float("nan"), float("inf")
@@ -62,35 +62,10 @@ def full_truth(q, cache, seqs, alpha, scale):
     return out
 
 
-def bad_case(kind, where, P, G, dtype, seed=0, H=2, D=16):
-    """A cache of three sequences (P-token pages), row 0 holding one bad token
-    of KV head 0 (kind: "nan-k", "nan-kv", "nan-v", "inf-k", "overflow":
-    1e5 in a float16 key; "nan-q": the bad value is in q instead) at
-    ``where``: "kept" (the last page, always kept) or "dropped" (page 0).
-    Rows 1 and 2 are clean. Returns (cache, seqs, q)."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = [6 * P + 2, 3 * P + 1, 5 * P]
-    cache = PagedKVCache(sum(-(-n // P) for n in lens) + 2, P, H, D, max_seqs=3, dtype=dtype)
-    q = torch.randn(3, H * G, D, generator=gen) * 1.5
-    seqs = []
-    for b, n in enumerate(lens):
-        k = torch.randn(n, H, D, generator=gen) * 1.5
-        v = torch.randn(n, H, D, generator=gen)
-        if b == 0 and kind != "nan-q":
-            j = n - 1 if where == "kept" else 1
-            if kind in ("nan-k", "nan-kv"):
-                k[j, 0, 3] = NAN
-            if kind in ("nan-v", "nan-kv"):
-                v[j, 0, 5] = NAN
-            if kind == "inf-k":
-                k[j, 0, 3] = INF
-            if kind == "overflow":
-                k[j, 0, 3] = 1e5  # finite in float32, inf once stored as float16
-        seqs.append(cache.allocate(k, v, check_finite=False))
-    if kind == "nan-q":
-        q[0, 0, 2] = NAN
-    return cache, seqs, q.to(dtype)
-
+def bad_case(kind, where, P, G, dtype, seed=0):
+    """Three sequences of P-token pages (``poisoned_case``), row 0 holding
+    the bad value; rows 1 and 2 are clean. Returns (cache, seqs, q)."""
+    return poisoned_case(kind, where, [6 * P + 2, 3 * P + 1, 5 * P], P, G, dtype, seed=seed)
 
 POLICIES = {
     "full": Full(),

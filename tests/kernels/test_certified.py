@@ -11,9 +11,8 @@ from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402
 from entmaxkv import attention as RA  # noqa: E402
 from entmaxkv import policies as RP  # noqa: E402
 from entmaxkv import scoring as RS  # noqa: E402
-from entmaxkv.testing import DEVICE as DEV, KERNEL_TOL as TOL, page_sets, rel_err  # noqa: E402
+from entmaxkv.testing import DEVICE as DEV, KERNEL_TOL as TOL, page_sets, poisoned_case, rel_err  # noqa: E402
 from entmaxkv.testing import random_case as case  # noqa: E402
-from entmaxkv.cache import PagedKVCache  # noqa: E402
 from entmaxkv.types import Selection  # noqa: E402
 
 # The interpreter evaluates both sides of tl.where, e.g. -inf - (-inf) on masked lanes.
@@ -116,33 +115,9 @@ def _truth(q, cache, seqs, alpha, scale):
     return out
 
 
-def _bad_case(kind, where, P, G, dtype, seed=0, H=2, D=16):
-    """Two sequences; row 0 holds one bad value of KV head 0 (kind "nan-k",
-    "nan-kv", "nan-v", "inf-k", "overflow": 1e5 in a float16 key, or "nan-q"
-    in query head 0) in its last page ("kept") or page 0 ("dropped")."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = [5 * P + 2, 3 * P]
-    cache = PagedKVCache(sum(-(-n // P) for n in lens) + 2, P, H, D, max_seqs=2, dtype=dtype, device=DEV)
-    q = torch.randn(2, H * G, D, generator=gen) * 1.5
-    seqs = []
-    for b, n in enumerate(lens):
-        k = torch.randn(n, H, D, generator=gen) * 1.5
-        v = torch.randn(n, H, D, generator=gen)
-        if b == 0 and kind != "nan-q":
-            j = n - 1 if where == "kept" else 1
-            if kind in ("nan-k", "nan-kv"):
-                k[j, 0, 3] = _NAN
-            if kind in ("nan-v", "nan-kv"):
-                v[j, 0, 5] = _NAN
-            if kind == "inf-k":
-                k[j, 0, 3] = _INF
-            if kind == "overflow":
-                k[j, 0, 3] = 1e5
-        seqs.append(cache.allocate(k.to(DEV), v.to(DEV), check_finite=False))
-    if kind == "nan-q":
-        q[0, 0, 2] = _NAN
-    return cache, seqs, q.to(dtype).to(DEV)
-
+def _bad_case(kind, where, P, G, dtype, seed=0):
+    """Two sequences on the test device (``poisoned_case``), row 0 holding the bad value."""
+    return poisoned_case(kind, where, [5 * P + 2, 3 * P], P, G, dtype, seed=seed, device=DEV)
 
 _KTOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
