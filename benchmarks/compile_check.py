@@ -115,6 +115,11 @@ def run_cases():
                     for slopes in ((None, sl) if both else (sl,)):
                         decode(q, cache, ids, pol, alpha=alpha, alibi_slopes=slopes, backend="triton",
                                return_stats=True, kernel_config=cfg)
+        # the slot-mapping write: one token per page (the incremental step) and a chunk
+        k = torch.randn(2, 2, D).to(dtype)
+        cache.write(k, k, cache.reserve(ids.tolist()), backend="triton")
+        k = torch.randn(2 * P + 1, 2, D)
+        cache.write(k, k, cache.reserve(ids.tolist()[:1], 2 * P + 1), backend="triton")
     # rows of more chunks than one (the interpreter's chunks are 256 pages): the chain's merge
     cache, ids, q, sl = random_case([700, 9], 2, 2, 16, 2, torch.float16, seed=5, slopes=True)
     for cfg in (KernelConfig(), KernelConfig(topk=TopKConfig(merge_regs=1))):

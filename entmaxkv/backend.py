@@ -12,8 +12,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
-from . import attention, policies, scoring
-from .cache import PagedKVCache
+from . import attention, policies, scoring, write
 from .types import Full, Policy, Selection
 
 BACKENDS = ("auto", "reference", "triton")
@@ -21,53 +20,82 @@ BACKENDS = ("auto", "reference", "triton")
 
 class Backend(Protocol):
     """The stages of one decode step. Tensors: ``q`` [B, HQ, D]; ``seq_ids``
-    int32 [B] on the cache's device; ``slopes`` float32 [HQ] or None."""
+    int32 [B] on the cache's device; ``slopes`` float32 [HQ] or None.
+    ``cache`` is anything with the attributes of ``layout.PagedKV`` (a
+    ``PagedKVCache`` or one of its layers). ``ws`` is a
+    ``workspace.Workspace`` the scratch may come from (None: allocated);
+    ``out`` a [B, HQ, D] tensor in q's dtype to write the result to."""
 
     name: str
 
-    def quest_bounds(self, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, *, scale: float,
-                     slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def quest_bounds(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float,
+                     slopes: Optional[torch.Tensor] = None, ws=None) -> torch.Tensor:
         """Quest upper bounds, float32 [B, HQ, max_pages] (-inf past the end)."""
 
-    def select(self, policy: Policy, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, *,
+    def select(self, policy: Policy, q: torch.Tensor, cache, seq_ids: torch.Tensor, *,
                alpha: float, scale: float, slopes: Optional[torch.Tensor] = None,
-               ub: Optional[torch.Tensor] = None) -> Selection:
+               ub: Optional[torch.Tensor] = None, ws=None) -> Selection:
         """The policy's pages; ``ub`` (the bounds above) may be reused when given."""
 
-    def attend(self, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, sel: Selection, *,
+    def attend(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, sel: Selection, *,
                alpha: float, scale: float, slopes: Optional[torch.Tensor] = None,
-               tau_init: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               tau_init: Optional[torch.Tensor] = None, ws=None,
+               out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Exact attention over the selected pages: (out [B, HQ, D] in q's dtype, tau float32 [B, HQ])."""
 
-    def dense_attend(self, q: torch.Tensor, cache: PagedKVCache, seq_ids: torch.Tensor, *, alpha: float,
-                     scale: float, slopes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def dense_attend(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, *, alpha: float,
+                     scale: float, slopes: Optional[torch.Tensor] = None, ws=None,
+                     out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Attention over every page (the Full policy), same outputs as ``attend``."""
 
     def certify(self, ub: torch.Tensor, sel: Selection, tau: torch.Tensor, alpha: float,
-                seq_lens: torch.Tensor, *, page_size: int, slack: Optional[torch.Tensor] = None) -> torch.Tensor:
+                seq_lens: torch.Tensor, *, page_size: int, slack: Optional[torch.Tensor] = None,
+                ws=None) -> torch.Tensor:
         """bool [B, HQ]: every unselected page provably holds no support token (docs/spec.md §5)."""
+
+    def write_kv(self, kv, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store K/V rows at ``slot_mapping`` and update the touched pages' statistics (write.py)."""
+
+    def kept_fraction(self, sel: Selection, cache, seq_ids: torch.Tensor, *, ws=None) -> torch.Tensor:
+        """float32 [1]: kept pages over valid pages, over the batch and selection heads."""
+
+
+def _into(out: Optional[torch.Tensor], res: Tuple[torch.Tensor, torch.Tensor]):
+    """(out, tau) with the result copied into ``out`` when one is given."""
+    if out is None:
+        return res
+    out.copy_(res[0])
+    return out, res[1]
 
 
 class ReferenceBackend:
-    """The pure-PyTorch stages (any device, float64 included)."""
+    """The pure-PyTorch stages (any device, float64 included). ``ws`` is not
+    used: the reference allocates what it needs."""
 
     name = "reference"
 
-    def quest_bounds(self, q, cache, seq_ids, *, scale, slopes=None):
+    def quest_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
         return scoring.quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes)
 
-    def select(self, policy, q, cache, seq_ids, *, alpha, scale, slopes=None, ub=None):
+    def select(self, policy, q, cache, seq_ids, *, alpha, scale, slopes=None, ub=None, ws=None):
         return policies.select(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
 
-    def attend(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, tau_init=None):
-        return attention.attend(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init)
+    def attend(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, tau_init=None, ws=None, out=None):
+        return _into(out, attention.attend(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes,
+                                           tau_init=tau_init))
 
-    def dense_attend(self, q, cache, seq_ids, *, alpha, scale, slopes=None):
+    def dense_attend(self, q, cache, seq_ids, *, alpha, scale, slopes=None, ws=None, out=None):
         sel = policies.select(Full(), q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes)
-        return attention.attend(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes)
+        return _into(out, attention.attend(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes))
 
-    def certify(self, ub, sel, tau, alpha, seq_lens, *, page_size, slack=None):
+    def certify(self, ub, sel, tau, alpha, seq_lens, *, page_size, slack=None, ws=None):
         return attention.certify(ub, sel, tau, alpha, seq_lens, page_size=page_size, slack=slack)
+
+    def write_kv(self, kv, k, v, slot_mapping):
+        write.write_kv(kv, k, v, slot_mapping)
+
+    def kept_fraction(self, sel, cache, seq_ids, *, ws=None):
+        return attention.kept_fraction(sel, cache.seq_lens.index_select(0, seq_ids.long()), cache.page_size)
 
 
 REFERENCE = ReferenceBackend()

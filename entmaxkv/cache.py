@@ -32,9 +32,11 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from . import stats
+from .layout import STORAGE_DTYPES, PagedKV, PageShape
+
 __all__ = ["PagedKVCache", "CacheFullError", "STORAGE_DTYPES", "MAX_PAGE_SIZE"]
 
-STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_PAGE_SIZE = 256
 _INT32_MAX = 2**31 - 1
 
@@ -109,7 +111,7 @@ def _resolve_device(device) -> torch.device:
         raise ValueError(f"device={str(dev)!r} is not available: {err}") from None
 
 
-class PagedKVCache:
+class PagedKVCache(PageShape):
     """A paged key/value cache for decoding, with Quest and Gaussian page stats.
 
     The memory is a pool of ``num_pages`` physical pages of ``page_size``
@@ -185,6 +187,7 @@ class PagedKVCache:
         max_pages_per_seq: Optional[int] = None,
         dtype: torch.dtype = torch.float16,
         device: Union[str, torch.device] = "cpu",
+        num_layers: int = 1,
     ) -> None:
         num_pages = _positive_int(num_pages, "num_pages", upper=_INT32_MAX)
         page_size = _positive_int(page_size, "page_size", upper=MAX_PAGE_SIZE)
@@ -208,31 +211,44 @@ class PagedKVCache:
                 f"torch.bfloat16, got {dtype!r}"
             )
         device = _resolve_device(device)
+        num_layers = _positive_int(num_layers, "num_layers")
 
-        P, H, D = page_size, kv_heads, head_dim
+        L, P, H, D = num_layers, page_size, kv_heads, head_dim
         # Ordinary tensors even under torch.inference_mode(): an in-place
         # write to an inference tensor fails outside inference mode, so a
         # cache built inside it could otherwise never be written outside.
         with torch.inference_mode(False):
-            self.k_pages = torch.zeros(num_pages, H, P, D, dtype=dtype, device=device)
-            self.v_pages = torch.zeros_like(self.k_pages)
+            k_all = torch.zeros(L, num_pages, H, P, D, dtype=dtype, device=device)
+            v_all = torch.zeros_like(k_all)
             # Pairs read together by one policy share a tensor (see the
             # docstring). Writes go to the bases, one index_put_ per pair.
-            self.k_bounds = torch.zeros(num_pages, H, 2, D, dtype=dtype, device=device)
-            self.k_moments = torch.zeros_like(self.k_bounds)
-            self.k_min, self.k_max = self.k_bounds[:, :, 0], self.k_bounds[:, :, 1]
-            self.k_mean, self.k_std = self.k_moments[:, :, 0], self.k_moments[:, :, 1]
+            bounds = torch.zeros(L, num_pages, H, 2, D, dtype=dtype, device=device)
+            moments = torch.zeros_like(bounds)
             # float32 Welford state (mean, M2) behind k_mean / k_std, paired
             # the same way so that one write updates both.
-            self._welford = torch.zeros(num_pages, H, 2, D, dtype=torch.float32, device=device)
-            self._mean32, self._m2 = self._welford[:, :, 0], self._welford[:, :, 1]
-            self.block_table = torch.zeros(
-                max_seqs, max_pages_per_seq, dtype=torch.int32, device=device
-            )
-            self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+            welford = torch.zeros(L, num_pages, H, 2, D, dtype=torch.float32, device=device)
+            block_table = torch.zeros(max_seqs, max_pages_per_seq, dtype=torch.int32, device=device)
+            seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        layers = [PagedKV(k_all[i], v_all[i], bounds[i], moments[i], block_table, seq_lens, welford[i])
+                  for i in range(L)]
+        self._adopt(layers, block_table, seq_lens, max_pages_per_seq)
 
-        self._device = device  # resolved, e.g. "cuda" -> "cuda:0"
+    def _adopt(self, layers: List[PagedKV], block_table: torch.Tensor, seq_lens: torch.Tensor,
+               max_pages_per_seq: int) -> None:
+        """Take ``layers`` (sharing ``block_table`` and ``seq_lens``) as the
+        cache's storage, every page free and every slot empty."""
+        self._layers = tuple(layers)
+        first = self._layers[0]
+        self.k_pages, self.v_pages = first.k_pages, first.v_pages
+        self.k_bounds, self.k_moments = first.k_bounds, first.k_moments
+        self.k_min, self.k_max = first.k_min, first.k_max
+        self.k_mean, self.k_std = first.k_mean, first.k_std
+        self._welford = first.welford
+        self._mean32, self._m2 = self._welford[:, :, 0], self._welford[:, :, 1]
+        self.block_table, self.seq_lens = block_table, seq_lens
+        self._device = first.device  # resolved, e.g. "cuda" -> "cuda:0"
         self._max_pages_per_seq = max_pages_per_seq
+        num_pages, max_seqs = first.num_pages, block_table.shape[0]
         # Host mirrors. The free list is a stack: pop() hands out pages
         # 0, 1, 2, ... on a fresh cache.
         self._free: List[int] = list(range(num_pages - 1, -1, -1))
@@ -241,27 +257,81 @@ class PagedKVCache:
         self._lens: List[int] = [0] * max_seqs
         self._pages: List[List[int]] = [[] for _ in range(max_seqs)]
 
+    @classmethod
+    def from_buffers(
+        cls,
+        k_pages: Union[torch.Tensor, Sequence[torch.Tensor]],
+        v_pages: Union[torch.Tensor, Sequence[torch.Tensor]],
+        *,
+        max_seqs: int,
+        max_pages_per_seq: Optional[int] = None,
+    ) -> "PagedKVCache":
+        """A cache over engine-owned page buffers (one pair per layer).
+
+        The cache manages slots, the block table and the page statistics;
+        the pages themselves stay where the caller put them (no copy), so
+        an engine can hand its KV memory over and read it back directly.
+        Every page starts free: tokens enter through ``prefill`` /
+        ``append`` or ``reserve`` + ``write``.
+
+        Args:
+            k_pages, v_pages: [num_pages, kv_heads, page_size, head_dim]
+                tensors, or one per layer (same shape, dtype, device);
+                float32/float16/bfloat16, head_dim contiguous (strided
+                views such as ``layout.split_packed`` halves are fine).
+            max_seqs, max_pages_per_seq: as for the constructor.
+        """
+        ks = [k_pages] if isinstance(k_pages, torch.Tensor) else list(k_pages)
+        vs = [v_pages] if isinstance(v_pages, torch.Tensor) else list(v_pages)
+        if not ks or len(ks) != len(vs):
+            raise ValueError(f"v_pages: expected one tensor per k_pages tensor ({len(ks)}), got {len(vs)}")
+        layers = [PagedKV.from_buffers(k, v) for k, v in zip(ks, vs)]
+        first = layers[0]
+        for i, lay in enumerate(layers[1:], 1):
+            if lay.k_pages.shape != first.k_pages.shape or lay.dtype != first.dtype or lay.device != first.device:
+                raise ValueError(f"k_pages[{i}]: expected shape {tuple(first.k_pages.shape)}, dtype "
+                                 f"{first.dtype} on {first.device} (those of layer 0), got "
+                                 f"{tuple(lay.k_pages.shape)}, {lay.dtype} on {lay.device}")
+        N, _, P, _ = first.k_pages.shape
+        max_seqs = _positive_int(max_seqs, "max_seqs")
+        longest = _INT32_MAX // P
+        if max_pages_per_seq is None:
+            max_pages_per_seq = min(N, longest)
+        max_pages_per_seq = _positive_int(max_pages_per_seq, "max_pages_per_seq", upper=longest)
+        with torch.inference_mode(False):
+            block_table = torch.zeros(max_seqs, max_pages_per_seq, dtype=torch.int32, device=first.device)
+            seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=first.device)
+        cache = cls.__new__(cls)
+        cache._adopt([lay.with_rows(block_table, seq_lens) for lay in layers], block_table, seq_lens,
+                     max_pages_per_seq)
+        return cache
+
+    # ------------------------------------------------------------------ layers
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layer(self, index: int = 0) -> PagedKV:
+        """Layer ``index``'s tensors as a ``PagedKV`` (views: pages,
+        statistics, and the block table and lengths every layer shares)."""
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
+                0 <= int(index) < len(self._layers)):
+            raise ValueError(f"layer: expected an int in 0..{len(self._layers) - 1}, got {index!r}")
+        return self._layers[int(index)]
+
+    def state_tensors(self):
+        """Every device tensor that holds cache state, by name (pages,
+        statistics and Welford state of each layer, the block table and
+        lengths): what a snapshot must copy."""
+        out = {}
+        for i, lay in enumerate(self._layers):
+            for name in ("k_pages", "v_pages", "k_bounds", "k_moments", "welford"):
+                out[f"layer{i}.{name}"] = getattr(lay, name)
+        out["block_table"], out["seq_lens"] = self.block_table, self.seq_lens
+        return out
+
     # ------------------------------------------------------------------ shape
-    @property
-    def num_pages(self) -> int:
-        return self.k_pages.shape[0]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k_pages.shape[1]
-
-    @property
-    def page_size(self) -> int:
-        return self.k_pages.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.k_pages.shape[3]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k_pages.dtype
-
+    # (num_pages, kv_heads, page_size, head_dim, dtype: layout.PageShape)
     @property
     def device(self) -> torch.device:
         return self._device
@@ -467,7 +537,7 @@ class PagedKVCache:
         need = sum(1 for n in lens if n % P == 0)
         longest = max(n // P + 1 for n in lens)
         self._reserve(need, longest, f"append to {len(ids)} sequence(s)")
-        kc, vc = self._stored(k), self._stored(v)  # [B, H, D], the stored (rounded) values
+        kc, vc = self._stored(k), self._stored(v)  # [L, B, H, D], the stored (rounded) values
 
         # Host plan, nothing modified yet: one (slot, physical page, row in the
         # page, logical page; physical page, new length, old length, old
@@ -488,50 +558,45 @@ class PagedKVCache:
         slot, phys, row, lpage = columns[:4].unbind(0)
         phys32, new_len, old_len, old_entry = columns[4:].to(torch.int32).unbind(0)
 
-        # Incremental statistics. The first token of a page resets them.
-        first = (row == 0)[:, None, None]  # [B, 1, 1]
+        # Incremental statistics (the first token of a page resets them).
         count = (row + 1).to(torch.float32)[:, None, None]  # tokens in page after append
-        old_bounds = self.k_bounds[phys]  # [B, H, 2, D], a copy
-        kmin = torch.where(first, kc, torch.minimum(old_bounds[:, :, 0], kc))
-        kmax = torch.where(first, kc, torch.maximum(old_bounds[:, :, 1], kc))
-        old_welford = self._welford[phys]  # [B, H, 2, D] float32, a copy
-        x = kc.to(torch.float32)
-        mean = torch.where(first, 0.0, old_welford[:, :, 0])
-        m2 = torch.where(first, 0.0, old_welford[:, :, 1])
-        delta = x - mean
-        mean = mean + delta / count
-        m2 = m2 + delta * (x - mean)
-        bounds = torch.stack((kmin, kmax), dim=2)
-        welford = torch.stack((mean, m2), dim=2)
+        steps = []
+        for lay, kl in zip(self._layers, kc):
+            old_bounds, old_welford = lay.k_bounds[phys], lay.welford[phys]  # [B, H, 2, D] copies
+            bounds, welford = stats.welford_step(old_bounds, old_welford, kl, row)
+            steps.append((old_bounds, old_welford, bounds, welford))
         if check:
             # Any non-finite key makes its coordinate's M2 NaN, so a finite
             # state also means that no page needs the recompute below.
             finite = self._check_rows(
-                kc, vc, lambda i: f"sequence {ids[i]}, token {lens[i]}", extra=welford
+                kc, vc, lambda i: f"sequence {ids[i]}, token {lens[i]}",
+                extra=torch.stack([st[3] for st in steps]),
             )
         else:
             finite = False  # unknown without a sync: decided on the device
-        if not finite:
-            # The running state of a page that is not finite is replaced by
-            # the state recomputed from its rows (the new one included).
-            # min/max need no recompute: the running ones are exact.
-            poisoned = ~torch.isfinite(welford).flatten(1).all(dim=1)  # [B]
-            keys = self.k_pages[phys]  # [B, H, P, D], a copy
-            keys[torch.arange(len(ids), device=self.device), :, row] = kc
-            recomputed = torch.stack(self._page_welford(keys, row + 1), dim=2)
-            welford = torch.where(poisoned[:, None, None, None], recomputed, welford)
-        moments = self._moments(welford, count)
-
+        writes = []
+        for lay, kl, vl, (old_bounds, old_welford, bounds, welford) in zip(self._layers, kc, vc, steps):
+            if not finite:
+                # The running state of a page that is not finite is replaced by
+                # the state recomputed from its rows (the new one included).
+                # min/max need no recompute: the running ones are exact.
+                poisoned = ~torch.isfinite(welford).flatten(1).all(dim=1)  # [B]
+                keys = lay.k_pages[phys]  # [B, H, P, D], a copy
+                keys[torch.arange(len(ids), device=self.device), :, row] = kl
+                recomputed = torch.stack(stats.page_welford(keys, row + 1), dim=2)
+                welford = torch.where(poisoned[:, None, None, None], recomputed, welford)
+            writes += [
+                (lay.k_bounds, (phys,), bounds, old_bounds),
+                (lay.welford, (phys,), welford, old_welford),
+                (lay.k_moments, (phys,), stats.moments(welford, count, self.dtype), None),
+                (lay.k_pages, (phys, slice(None), row), kl, None),
+                (lay.v_pages, (phys, slice(None), row), vl, None),
+            ]
         # Rewriting an existing block-table entry with its own value is
         # harmless and avoids a data-dependent mask.
-        self._commit([
-            (self.k_bounds, (phys,), bounds, old_bounds),
-            (self._welford, (phys,), welford, old_welford),
-            (self.k_moments, (phys,), moments, None),
+        self._commit(writes + [
             (self.block_table, (slot, lpage), phys32, old_entry),
             (self.seq_lens, (slot,), new_len, old_len),
-            (self.k_pages, (phys, slice(None), row), kc, None),
-            (self.v_pages, (phys, slice(None), row), vc, None),
         ])
         # Host mirrors, after every device write succeeded.
         fresh = self._free[top:][::-1]
@@ -541,6 +606,93 @@ class PagedKVCache:
             if length % P == 0:
                 self._pages[s].append(next(fresh_iter))
             self._lens[s] = length + 1
+
+    # ------------------------------------------------- graph-safe writes
+    def reserve(self, seqs: Union[Sequence[int], torch.Tensor], counts=1) -> torch.Tensor:
+        """Make room for ``counts`` new tokens of each sequence in ``seqs``
+        and return where they go: the slot mapping of a step.
+
+        The host half of a graph-safe write (vLLM's scheduler step): pages
+        are allocated from the host mirrors, all or nothing, the block
+        table and the lengths (host and device) are advanced, and the
+        tokens' slots ``physical_page * page_size + row`` come back as one
+        int64 device tensor, sequence after sequence in the order of
+        ``seqs``, positions ascending. Store the tokens with ``write`` (once
+        per layer), before any decode reads them. Nothing here reads the
+        device; the device tensors are updated by one asynchronous copy.
+
+        Args:
+            seqs: distinct allocated slot ids (a list of ints or a CPU tensor).
+            counts: an int >= 0, or one per sequence, of new tokens.
+
+        Returns:
+            int64 [sum(counts)] slot mapping on the cache device.
+
+        Raises:
+            ValueError: bad ``seqs`` or ``counts``; nothing is modified.
+            CacheFullError: not enough free pages, or a sequence would exceed
+                ``max_pages_per_seq``; nothing is modified.
+        """
+        ids = self._check_seq_list(seqs)
+        if isinstance(counts, (list, tuple, np.ndarray)):
+            if len(counts) != len(ids):
+                raise ValueError(f"counts: expected {len(ids)} counts (one per sequence), got {len(counts)}")
+            counts = [_non_negative_int(c, f"counts[{i}]") for i, c in enumerate(counts)]
+        else:
+            counts = [_non_negative_int(counts, "counts")] * len(ids)
+        P = self.page_size
+        lens = [self._lens[s] for s in ids]
+        new_lens = [n + c for n, c in zip(lens, counts)]
+        need = [_ceil_div(m, P) - len(self._pages[s]) for s, m in zip(ids, new_lens)]
+        longest = max((_ceil_div(m, P) for m in new_lens), default=0)
+        self._reserve(sum(need), longest, f"reserve of {sum(counts)} tokens for {len(ids)} sequence(s)")
+        top = len(self._free)
+        fresh = self._free[top - sum(need):][::-1]  # in pop() order
+        slots, cells, offset = [], [], 0
+        for s, n0, n1, k in zip(ids, lens, new_lens, need):
+            pages = np.asarray(self._pages[s] + fresh[offset:offset + k], dtype=np.int64)
+            cells += [(s, len(self._pages[s]) + j, fresh[offset + j]) for j in range(k)]
+            offset += k
+            pos = np.arange(n0, n1, dtype=np.int64)
+            slots.append(pages[pos // P] * P + pos % P)
+        parts = [np.concatenate(slots) if slots else np.zeros(0, np.int64)]
+        parts += [np.asarray([c[i] for c in cells], dtype=np.int64) for i in range(3)]
+        parts += [np.asarray(ids, dtype=np.int64), np.asarray(new_lens, dtype=np.int64)]
+        packed = self._index_tensor(np.concatenate(parts), torch.int64)
+        slot_mapping, row_d, col_d, page_d, seq_d, len_d = packed.split([len(x) for x in parts])
+        self._commit([
+            (self.block_table, (row_d, col_d), page_d.to(torch.int32), None),
+            (self.seq_lens, (seq_d,), len_d.to(torch.int32), None),
+        ])
+        del self._free[top - sum(need):]
+        offset = 0
+        for s, m, k in zip(ids, new_lens, need):
+            self._pages[s].extend(fresh[offset:offset + k])
+            offset += k
+            self._lens[s] = m
+        return slot_mapping
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, *, layer: int = 0,
+              backend: str = "auto") -> None:
+        """Store one layer's new tokens at ``slot_mapping`` (from ``reserve``)
+        and update the statistics of the pages they touch.
+
+        The device half of a graph-safe write: no host synchronisation and
+        no finiteness check (a non-finite key is stored, and its page's
+        statistics are recomputed from its rows, as ``append`` does with
+        ``check_finite=False``), so it can be captured in a CUDA graph.
+        Appending one token per sequence gives the same bits as ``append``.
+
+        Args:
+            k, v: [T, kv_heads, head_dim], any floating dtype (cast to the
+                storage dtype; detached), on the cache device.
+            slot_mapping: int32/int64 [T] on the cache device (< 0 skips a token).
+            layer: which layer's pages (0 .. num_layers - 1).
+            backend: "auto" (Triton on CUDA), "reference" or "triton".
+        """
+        from .ops import write_kv
+
+        write_kv(self.layer(layer), k, v, slot_mapping, backend=backend)
 
     # ---------------------------------------------------------------- reads
     def gather(self, seq: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -666,8 +818,8 @@ class PagedKVCache:
 
     # ------------------------------------------------------------ internals
     def _index_tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
-        """Host list -> device tensor without blocking the host."""
-        t = torch.tensor(data, dtype=dtype)
+        """Host list (or NumPy array) -> device tensor without blocking the host."""
+        t = torch.from_numpy(data).to(dtype) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
@@ -692,9 +844,11 @@ class PagedKVCache:
         self._active[seq] = True
 
     def _stored(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as it will be stored: detached (so writes work under autograd
-        and never make the cache require grad), in the storage dtype."""
-        return t.detach().to(self.dtype)
+        """``t`` as it will be stored, [layers, n, H, D]: detached (so writes
+        work under autograd and never make the cache require grad), in the
+        storage dtype."""
+        t = t.detach().to(self.dtype)
+        return t[None] if t.dim() == 3 else t
 
     def _wants_finite_check(self, check_finite) -> bool:
         """Resolve a write's ``check_finite`` (None, True or False) to a bool."""
@@ -717,26 +871,29 @@ class PagedKVCache:
         describe: Callable[[int], str],
         extra: Optional[torch.Tensor] = None,
     ) -> bool:
-        """Raise ValueError if a token of ``kc`` / ``vc`` ([n, H, D], already
-        in the storage dtype) is not finite; ``describe(i)`` says where token
-        ``i`` goes. Returns whether ``extra`` (any tensor, or None) is finite,
-        read in the same, single host synchronisation."""
+        """Raise ValueError if a token of ``kc`` / ``vc`` ([layers, n, H, D],
+        already in the storage dtype) is not finite; ``describe(i)`` says
+        where token ``i`` goes. Returns whether ``extra`` (any tensor, or
+        None) is finite, read in the same, single host synchronisation."""
         flags = [torch.isfinite(kc).all(), torch.isfinite(vc).all()]
         if extra is not None:
             flags.append(torch.isfinite(extra).all())
         flags = torch.stack(flags).tolist()  # the one host synchronisation
         for name, t, ok in (("k", kc, flags[0]), ("v", vc, flags[1])):
             if not ok:
-                i = int((~torch.isfinite(t).flatten(1).all(dim=1)).nonzero()[0, 0])
+                bad = (~torch.isfinite(t).flatten(2).all(dim=2)).nonzero()[0]
+                layer, i = int(bad[0]), int(bad[1])
+                where = f"{name}[{layer}, {i}]" if self.num_layers > 1 else f"{name}[{i}]"
                 raise ValueError(
-                    f"{name}[{i}] ({describe(i)}) is not finite after the cast to the "
+                    f"{where} ({describe(i)}) is not finite after the cast to the "
                     f"storage dtype {self.dtype} (NaN or inf); nothing was written "
                     f"(check_finite=False stores it anyway)"
                 )
         return bool(flags[2]) if extra is not None else True
 
     def _write_tokens(self, seq: int, k, v, check: bool, *, claim: bool) -> None:
-        """Append ``k``, ``v`` ([n, H, D]) to slot ``seq`` (prefill / extend).
+        """Append ``k``, ``v`` ([n, H, D], or [layers, n, H, D]) to slot
+        ``seq`` (prefill / extend).
 
         With ``claim`` the slot is free (and empty) and is claimed once the
         tokens are written. Everything is validated and computed first; the
@@ -754,7 +911,7 @@ class PagedKVCache:
         have, total = len(pages), _ceil_div(new_len, P)
         need = total - have
         self._reserve(need, total, f"prefill of {n} tokens into seq {seq}")
-        kc, vc = self._stored(k), self._stored(v)  # [n, H, D]
+        kc, vc = self._stored(k), self._stored(v)  # [L, n, H, D]
         if check:
             self._check_rows(
                 kc, vc, lambda i: f"token {i} of the prefill, position {old_len + i} of sequence {seq}"
@@ -776,22 +933,22 @@ class PagedKVCache:
         # (old_len + t) // P, row (old_len + t) % P.
         pos = torch.arange(old_len, new_len, device=self.device)  # [n]
         pidx, row = pos // P - first, pos % P
-        old_k = self.k_pages[touched_d]  # [T, H, P, D], copies
-        new_k = old_k.clone()
-        new_k[pidx, :, row] = kc
-        new_v = self.v_pages[touched_d]
-        new_v[pidx, :, row] = vc
-        kmin, kmax, mean, m2 = self._page_stats(new_k, valid_d)
-        welford = torch.stack((mean, m2), dim=2)
-        writes = [
-            (self.k_bounds, (touched_d,), torch.stack((kmin, kmax), dim=2), None),
-            (self._welford, (touched_d,), welford, None),
-            (self.k_moments, (touched_d,),
-             self._moments(welford, valid_d.to(torch.float32)[:, None, None]), None),
-            (self.seq_lens, (seq_d,), len_d.to(torch.int32), None),
-            (self.k_pages, (touched_d,), new_k, old_k),
-            (self.v_pages, (touched_d,), new_v, None),
-        ]
+        count = valid_d.to(torch.float32)[:, None, None]
+        writes = [(self.seq_lens, (seq_d,), len_d.to(torch.int32), None)]
+        for lay, kl, vl in zip(self._layers, kc, vc):
+            old_k = lay.k_pages[touched_d]  # [T, H, P, D], copies
+            new_k = old_k.clone()
+            new_k[pidx, :, row] = kl
+            new_v = lay.v_pages[touched_d]
+            new_v[pidx, :, row] = vl
+            bounds, welford = stats.page_stats(new_k, valid_d)
+            writes += [
+                (lay.k_bounds, (touched_d,), bounds, None),
+                (lay.welford, (touched_d,), welford, None),
+                (lay.k_moments, (touched_d,), stats.moments(welford, count, self.dtype), None),
+                (lay.k_pages, (touched_d,), new_k, old_k),
+                (lay.v_pages, (touched_d,), new_v, None),
+            ]
         if need:
             cols = torch.arange(have, total, device=self.device)
             writes.append((self.block_table, (seq_d, cols), fresh_d.to(torch.int32), None))
@@ -824,60 +981,14 @@ class PagedKVCache:
                 target[index] = old
             raise
 
-    def _page_stats(
-        self, keys: torch.Tensor, valid: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Statistics of pages from their rows, computed from scratch.
-
-        Args:
-            keys: [T, H, P, D] storage dtype, the pages' rows.
-            valid: int64 [T], the number of valid (leading) rows of each page.
-
-        Returns:
-            (k_min, k_max) [T, H, D] in the storage dtype and the float32
-            Welford state (mean, M2) [T, H, D].
-        """
-        mask = self._row_mask(valid)
-        inf = float("inf")
-        kmin = torch.where(mask, keys, inf).amin(dim=2)  # [T, H, D]
-        kmax = torch.where(mask, keys, -inf).amax(dim=2)
-        mean, m2 = self._page_welford(keys, valid, mask)
-        return kmin, kmax, mean, m2
-
-    def _row_mask(self, valid: torch.Tensor) -> torch.Tensor:
-        """bool [T, 1, P, 1]: row r of page t is valid (r < valid[t])."""
-        P = self.page_size
-        return (torch.arange(P, device=self.device) < valid[:, None])[:, None, :, None]
-
-    def _page_welford(
-        self, keys: torch.Tensor, valid: torch.Tensor, mask: Optional[torch.Tensor] = None
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The float32 (mean, M2) [T, H, D] of pages ``keys`` [T, H, P, D] over
-        their first ``valid`` (int64 [T]) rows, computed from scratch."""
-        if mask is None:
-            mask = self._row_mask(valid)
-        x = keys.to(torch.float32)
-        count = valid.to(torch.float32)[:, None, None]  # [T, 1, 1]
-        mean = torch.where(mask, x, 0.0).sum(dim=2) / count  # [T, H, D]
-        dev = torch.where(mask, x - mean[:, :, None], 0.0)  # [T, H, P, D]
-        m2 = (dev * dev).sum(dim=2)
-        return mean, m2
-
     def _recompute_stats(
-        self, pages: torch.Tensor, valid: torch.Tensor
+        self, pages: torch.Tensor, valid: torch.Tensor, layer: int = 0
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``_page_stats`` of the stored rows of ``pages`` (int64 [T]); reads only.
-
-        ``valid`` (int64 [T]) is the number of valid rows of each page.
-        """
-        return self._page_stats(self.k_pages[pages], valid)
-
-    def _moments(self, welford: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """(k_mean, k_std) [.., H, 2, D] in the storage dtype from the float32
-        Welford state ``welford`` [.., H, 2, D] over ``count`` tokens."""
-        mean, m2 = welford[:, :, 0], welford[:, :, 1]
-        std = torch.sqrt(m2.clamp_min(0.0) / count)
-        return torch.stack((mean.to(self.dtype), std.to(self.dtype)), dim=2)
+        """(k_min, k_max, mean, M2) [T, H, D] of the stored rows of ``pages``
+        (int64 [T]) of ``layer``, computed from scratch; reads only.
+        ``valid`` (int64 [T]) is the number of valid rows of each page."""
+        bounds, welford = stats.page_stats(self._layers[layer].k_pages[pages], valid)
+        return bounds[:, :, 0], bounds[:, :, 1], welford[:, :, 0], welford[:, :, 1]
 
     def _check_seq(self, seq, name: str) -> int:
         if isinstance(seq, bool):
@@ -916,18 +1027,22 @@ class PagedKVCache:
         return ids
 
     def _check_kv(self, k, v, n: Optional[int]) -> int:
-        """Validate k, v as [n, kv_heads, head_dim]; return n."""
-        H, D = self.kv_heads, self.head_dim
+        """Validate k, v as [n, kv_heads, head_dim] (a one-layer cache) or
+        [num_layers, n, kv_heads, head_dim]; return n."""
+        H, D, L = self.kv_heads, self.head_dim, self.num_layers
+        tokens = "n" if n is None else n
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            expect = f"[{'n' if n is None else n}, {H}, {D}]"
-            if t.dim() != 3 or t.shape[1] != H or t.shape[2] != D:
-                raise ValueError(
-                    f"{name} must have shape {expect} (tokens, kv_heads, head_dim), "
-                    f"got {tuple(t.shape)}"
-                )
-            if n is not None and t.shape[0] != n:
+            if L == 1:
+                expect, what = f"[{tokens}, {H}, {D}]", "(tokens, kv_heads, head_dim)"
+                ok = t.dim() == 3 and tuple(t.shape[1:]) == (H, D)
+            else:
+                expect, what = f"[{L}, {tokens}, {H}, {D}]", "(layers, tokens, kv_heads, head_dim)"
+                ok = t.dim() == 4 and t.shape[0] == L and tuple(t.shape[2:]) == (H, D)
+            if not ok:
+                raise ValueError(f"{name} must have shape {expect} {what}, got {tuple(t.shape)}")
+            if n is not None and t.shape[-3] != n:
                 raise ValueError(
                     f"{name} must have shape {expect}: one token per sequence in "
                     f"seqs, got {tuple(t.shape)}"
@@ -936,8 +1051,8 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
-        if v.shape[0] != k.shape[0]:
+        if v.shape[-3] != k.shape[-3]:
             raise ValueError(
-                f"v must hold as many tokens as k ({k.shape[0]}), got {v.shape[0]}"
+                f"v must hold as many tokens as k ({k.shape[-3]}), got {v.shape[-3]}"
             )
-        return k.shape[0]
+        return k.shape[-3]

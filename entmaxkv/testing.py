@@ -127,11 +127,8 @@ def alibi(q_heads: int, nape: bool = True) -> torch.Tensor:
 
 
 # ------------------------------------------------------------ cache state
-# Every tensor that holds cache state (k_min/k_max/k_mean/k_std are views
-# into k_bounds/k_moments; _mean32/_m2 are the float32 Welford state) and
-# every host mirror.
-_STATE_TENSORS = ("k_pages", "v_pages", "k_bounds", "k_moments", "_mean32", "_m2",
-                  "block_table", "seq_lens")
+# Every host mirror; the device tensors come from PagedKVCache.state_tensors
+# (pages, statistics and Welford state of every layer, block table, lengths).
 _STATE_HOST = ("_free", "_free_slots", "_active", "_lens", "_pages")
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -145,8 +142,7 @@ def cache_state(cache: PagedKVCache) -> Dict[str, Any]:
     active flags, lengths, page lists).
     """
     state: Dict[str, Any] = {}
-    for name in _STATE_TENSORS:
-        t = getattr(cache, name)
+    for name, t in cache.state_tensors().items():
         state[name] = t.detach().clone()
         state[name + ".flags"] = (t.requires_grad, t.grad_fn is not None, t.is_inference())
     for name in _STATE_HOST:

@@ -84,7 +84,8 @@ def assert_stats_are_recompute(cache, seq, *, exact_pages=None):
     for got, want in ((cache._mean32[pages], rmean), (cache._m2[pages], rm2)):
         assert_equal_nan(got[exact], want[exact])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-    std = torch.sqrt(cache._m2[pages].clamp_min(0) / count[:, None, None].float())
+    # the root in float64, rounded once: the correctly rounded float32 root (stats.moments)
+    std = torch.sqrt((cache._m2[pages].clamp_min(0) / count[:, None, None].float()).double()).float()
     assert torch.equal(bits(cache.k_mean[pages]), bits(cache._mean32[pages].to(cache.dtype)))
     assert torch.equal(bits(cache.k_std[pages]), bits(std.to(cache.dtype)))
 
@@ -489,7 +490,7 @@ class RunningPage:
         delta = x - self.mean
         self.mean = self.mean + delta / count
         self.m2 = self.m2 + delta * (x - self.mean)
-        self.std = torch.sqrt(torch.clamp(self.m2, min=0.0) / count)
+        self.std = torch.sqrt((torch.clamp(self.m2, min=0.0) / count).double()).float()  # correctly rounded
 
     def assert_matches(self, cache, page):
         got = (cache.k_min[page], cache.k_max[page], cache._mean32[page], cache._m2[page],

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from .attention import attend, dense_attend
-from .certified import certify
+from .certified import certify, kept_fraction
 from .config import resolve
 from .scoring import quest_bounds
 from .select import select
+from .write import write_kv
 
 
 class TritonBackend:
@@ -16,19 +17,28 @@ class TritonBackend:
     def __init__(self, config=None):
         self.config = resolve(config)
 
-    def quest_bounds(self, q, cache, seq_ids, *, scale, slopes=None):
-        return quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, config=self.config)
+    def quest_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
+        return quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, config=self.config, ws=ws)
 
-    def select(self, policy, q, cache, seq_ids, *, alpha, scale, slopes=None, ub=None):
+    def select(self, policy, q, cache, seq_ids, *, alpha, scale, slopes=None, ub=None, ws=None):
         # The kernels fuse the bound into the selection; a given ub is not needed.
-        return select(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, config=self.config)
+        return select(policy, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, config=self.config,
+                      ws=ws)
 
-    def attend(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, tau_init=None):
+    def attend(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, tau_init=None, ws=None, out=None):
         return attend(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init,
-                      config=self.config)
+                      config=self.config, ws=ws, out=out)
 
-    def dense_attend(self, q, cache, seq_ids, *, alpha, scale, slopes=None):
-        return dense_attend(q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, config=self.config)
+    def dense_attend(self, q, cache, seq_ids, *, alpha, scale, slopes=None, ws=None, out=None):
+        return dense_attend(q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, config=self.config,
+                            ws=ws, out=out)
 
-    def certify(self, ub, sel, tau, alpha, seq_lens, *, page_size, slack=None):
-        return certify(ub, sel, tau, alpha, seq_lens, page_size=page_size, slack=slack, config=self.config)
+    def certify(self, ub, sel, tau, alpha, seq_lens, *, page_size, slack=None, ws=None):
+        return certify(ub, sel, tau, alpha, seq_lens, page_size=page_size, slack=slack, config=self.config,
+                       ws=ws)
+
+    def write_kv(self, kv, k, v, slot_mapping):
+        write_kv(kv, k, v, slot_mapping)
+
+    def kept_fraction(self, sel, cache, seq_ids, *, ws=None):
+        return kept_fraction(sel, cache.seq_lens, seq_ids, cache.page_size, ws=ws)
