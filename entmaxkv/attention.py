@@ -183,3 +183,12 @@ def selection_mask(sel: Selection, M: int) -> torch.Tensor:
     mask = torch.zeros(B, S, M + 1, dtype=torch.bool, device=sel.pages.device)
     mask.scatter_(2, idx, True)
     return mask[..., :M]
+
+
+def kept_fraction(sel: Selection, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """float32 [1]: the selection's kept pages over the valid pages of its
+    rows, summed over the batch and the selection heads (``seq_lens``: int
+    [B], the rows' lengths). What the planner reads back to decide whether
+    the certified policy should run as the dense pass."""
+    valid = ((seq_lens.to(torch.float32) + (page_size - 1)) // page_size).sum() * sel.counts.shape[1]
+    return (sel.counts.to(torch.float32).sum() / valid.clamp_min(1.0)).reshape(1)

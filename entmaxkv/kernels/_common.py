@@ -8,11 +8,13 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ..limits import FLOAT64_ABOVE, SOFTMAX_BELOW
+from ..workspace import TORCH_ALLOC
 
 
 try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
@@ -203,12 +205,18 @@ def kv_strides(cache):
     return (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
 
 
-def as_slopes(slopes, HQ: int, device) -> torch.Tensor:
-    """float32 [HQ] slopes (an unread 1-element dummy when there are none:
-    torch.empty, so the decode step launches no fill for it)."""
+def as_slopes(slopes, HQ: int, device, ws=None) -> torch.Tensor:
+    """float32 [HQ] slopes (an unread 1-element dummy when there are none,
+    from ``ws``: no fill is launched for it)."""
     if slopes is None:
-        return torch.empty(1, dtype=torch.float32, device=device)
+        return alloc(ws).empty(1, torch.float32, device)
     return slopes.to(device=device, dtype=torch.float32).contiguous()
+
+
+def alloc(ws):
+    """Where a launcher takes its scratch tensors: the workspace ``ws``
+    (``entmaxkv.workspace.Workspace``) or, without one, ``torch.empty``."""
+    return TORCH_ALLOC if ws is None else ws
 
 
 def kernel_alpha(alpha) -> float:
@@ -243,8 +251,8 @@ def entmax_form(alpha: float) -> int:
 def split_f32(x: float):
     """(hi, lo): float32 values with hi + lo = x to ~48 bits (a float64
     scalar for a kernel, whose Python float arguments are float32)."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+    hi = float(np.float32(x))
+    return hi, float(np.float32(x - hi))
 
 
 def beta_kind(alpha: float) -> int:

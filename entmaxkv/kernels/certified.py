@@ -30,7 +30,7 @@ import triton.language as tl
 from ..types import TopK
 from ..types import Selection
 from .config import resolve
-from ._common import ATOMIC_SEM, launch_opts, next_pow2, pdl_start
+from ._common import ATOMIC_SEM, alloc, launch_opts, next_pow2, pdl_start
 from .attention import selection_tau
 from .scoring import bounds_with_slack, prep_query
 from .topk import select_topk
@@ -128,17 +128,36 @@ def _cert_certify_kernel(ub_ptr, slack_ptr, mask_ptr, tau_ptr, lens_ptr, viol_pt
     tl.atomic_max(viol_ptr + i_r, tl.max(viol.to(tl.int32), axis=0), sem=ATOMIC_SEM)
 
 
+@triton.jit
+def _cert_kept_kernel(counts_ptr, ids_ptr, lens_ptr, out_ptr, B, S,
+                      P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program: kept pages over valid pages of the whole batch."""
+    o_b = tl.arange(0, BLOCK_B)
+    o_s = tl.arange(0, BLOCK_S)
+    kept = 0.0
+    valid = 0.0
+    for b0 in range(0, B, BLOCK_B):
+        m_b = (b0 + o_b) < B
+        seq = tl.load(ids_ptr + b0 + o_b, mask=m_b, other=0).to(tl.int64)
+        n = tl.load(lens_ptr + seq, mask=m_b, other=0)
+        valid += tl.sum(((n + P - 1) // P).to(tl.float32), axis=0)
+        m = m_b[:, None] & (o_s < S)[None, :]
+        c = tl.load(counts_ptr + (b0 + o_b)[:, None] * S + o_s[None, :], mask=m, other=0)
+        kept += tl.sum(tl.sum(c.to(tl.float32), axis=1), axis=0)
+    tl.store(out_ptr, kept / tl.maximum(valid * S, 1.0))
+
+
 # ---------------------------------------------------------------------------
 # launchers / public functions
 # ---------------------------------------------------------------------------
 
 
-def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True) -> torch.Tensor:
+def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True, ws=None) -> torch.Tensor:
     """uint8 [B, S, M] mask of the selected logical pages (S may differ from sel's heads)."""
     pages = sel.pages.to(torch.int32).contiguous()
     counts = sel.counts.to(torch.int32).contiguous()
     S_src, W = pages.shape[1], pages.shape[2]
-    mask = torch.zeros(B, S, M, dtype=torch.uint8, device=pages.device)
+    mask = alloc(ws).zeros((B, S, M), torch.uint8, pages.device)
     if W == 0:
         return mask
     block_w = min(1024, next_pow2(W))
@@ -149,10 +168,11 @@ def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True) -> torch
     return mask
 
 
-def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced, pdl):
+def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced, pdl, ws=None):
     M = mask.shape[2]
-    pages = torch.empty(B, S, M, dtype=torch.int32, device=mask.device)  # padding past counts is never read
-    counts = torch.zeros(B, S, dtype=torch.int32, device=mask.device)  # atomic list lengths
+    mem = alloc(ws)
+    pages = mem.empty((B, S, M), torch.int32, mask.device)  # padding past counts is never read
+    counts = mem.zeros((B, S), torch.int32, mask.device)  # atomic list lengths
     block_m = 256 if NG <= 4 else 64
     opts = launch_opts(mask.device, pdl)
     _cert_augment_kernel[(B * S, triton.cdiv(M, block_m))](
@@ -166,7 +186,7 @@ def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, 
 
 
 def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None,
-                     config=None) -> Selection:
+                     config=None, ws=None) -> Selection:
     """Certified selection (Triton): seed, tau over the seed, one augmentation.
 
     Args:
@@ -176,7 +196,8 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
         Selection(pages int32 [batch, S, M] unsorted, counts int32 [batch, S]),
         S = q_heads if policy.per_query_head else kv_heads, whose pages provably
         contain the alpha-entmax support of every query head.
-    ``config``: the kernels' launch choices (KernelConfig; None: defaults).
+    ``config``: the kernels' launch choices (KernelConfig; None: defaults);
+    ``ws``: a Workspace for the scratch and the Selection (None: torch.empty).
     """
     cfg = resolve(config)
     if alpha <= 1.0:
@@ -190,22 +211,35 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     ids = seq_ids.to(device=q.device, dtype=torch.int32)
     seed = policy.seed
     if isinstance(seed, TopK):
-        ubs = torch.empty(B, HQ, M, dtype=torch.float32, device=q.device)
+        ubs = alloc(ws).empty((B, HQ, M), torch.float32, q.device)
         seed_sel = select_topk(q, cache, ids, budget=seed.budget, sinks=seed.sinks, window=seed.window,
                                per_query_head=seed.per_query_head, scale=scale, slopes=slopes, ub=ubs,
-                               config=cfg)
+                               config=cfg, ws=ws)
     else:
         from .gaussian import select_gaussian
 
-        seed_sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=cfg)
-        ubs = bounds_with_slack(q, cache, ids, scale=scale, slopes=slopes)
+        seed_sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=cfg,
+                                   ws=ws)
+        ubs = bounds_with_slack(q, cache, ids, scale=scale, slopes=slopes, ws=ws)
     # tau_A per query head over the seed as selected (per KV group or per query
     # head): any subset gives a valid lower bound on the full-cache tau.
     tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
-                          tau_init=seed_sel.tau_hat, config=cfg)
-    mask = page_mask(seed_sel, B, S, M, cfg.pdl)  # union over / copy to the certified selection heads
+                          tau_init=seed_sel.tau_hat, config=cfg, ws=ws)
+    mask = page_mask(seed_sel, B, S, M, cfg.pdl, ws)  # union over / copy to the certified selection heads
     return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
-                    window=policy.window, add=True, forced=True, pdl=cfg.pdl)
+                    window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
+
+
+def kept_fraction(sel: Selection, seq_lens: torch.Tensor, seq_ids: torch.Tensor, page_size: int,
+                  ws=None) -> torch.Tensor:
+    """Triton twin of ``entmaxkv.attention.kept_fraction`` (lengths looked up
+    through ``seq_ids``): float32 [1], one launch, no host synchronisation."""
+    counts = sel.counts.to(torch.int32).contiguous()
+    B, S = counts.shape
+    out = alloc(ws).empty(1, torch.float32, counts.device)
+    _cert_kept_kernel[(1,)](counts, seq_ids, seq_lens, out, B, S, P=page_size,
+                            BLOCK_B=min(64, next_pow2(B)), BLOCK_S=next_pow2(S), num_warps=1)
+    return out
 
 
 def certify(
@@ -218,6 +252,7 @@ def certify(
     page_size: int,
     slack: Optional[torch.Tensor] = None,
     config=None,
+    ws=None,
 ) -> torch.Tensor:
     """Per-head certificate that sparse attention equals full-cache attention.
 
@@ -234,8 +269,9 @@ def certify(
         alpha: >= 1; seq_lens: int [batch] sequence lengths (one per row).
         page_size: tokens per page; slack: optional float [batch, q_heads, M].
         config: the kernels' launch choices (KernelConfig; None: defaults).
+        ws: a Workspace for the scratch (None: torch.empty).
     Returns:
-        bool [batch, q_heads].
+        bool [batch, q_heads] (a new tensor).
     """
     B, HQ, M = ub.shape
     S = sel.pages.shape[1]
@@ -245,8 +281,8 @@ def certify(
     tau32 = tau.to(device=dev, dtype=torch.float32).contiguous()
     lens = seq_lens.to(device=dev, dtype=torch.int64).contiguous()
     pdl = resolve(config).pdl
-    mask = page_mask(sel, B, S, M, pdl)
-    viol = torch.zeros(B * HQ, dtype=torch.int32, device=dev)
+    mask = page_mask(sel, B, S, M, pdl, ws)
+    viol = alloc(ws).zeros(B * HQ, torch.int32, dev)
     block_m = 512
     opts = launch_opts(dev, pdl)
     _cert_certify_kernel[(B * HQ, triton.cdiv(M, block_m))](

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .config import resolve
-from ._common import as_slopes, dot_flags, interpreting, next_pow2
+from ._common import alloc, as_slopes, dot_flags, interpreting, next_pow2
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -299,7 +299,7 @@ def prep_query(q: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def _score(q, cache, seq_ids, scale, slopes, gauss: bool, slack: bool = False):
+def _score(q, cache, seq_ids, scale, slopes, gauss: bool, slack: bool = False, ws=None):
     q = prep_query(q)
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
@@ -308,11 +308,12 @@ def _score(q, cache, seq_ids, scale, slopes, gauss: bool, slack: bool = False):
     cfg = score_plan(G, D, q.dtype, cache.dtype)
     smp, smh = meta_strides(cache, ("k_mean", "k_std") if gauss else ("k_min", "k_max"))
     dev = q.device
-    sl = as_slopes(slopes, HQ, dev)
+    mem = alloc(ws)
+    sl = as_slopes(slopes, HQ, dev, ws)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
-    o1 = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
-    o2 = torch.empty(B, HQ, M, dtype=torch.float32, device=dev) if gauss else o1
-    on = torch.empty(B, M, dtype=torch.float32, device=dev) if gauss else o1
+    o1 = mem.empty((B, HQ, M), torch.float32, dev)
+    o2 = mem.empty((B, HQ, M), torch.float32, dev) if gauss else o1
+    on = mem.empty((B, M), torch.float32, dev) if gauss else o1
     ka, kb = (cache.k_mean, cache.k_std) if gauss else (cache.k_min, cache.k_max)
     grid = (B * H, triton.cdiv(M, cfg["BLOCK_M"]))
     _score_pages_kernel[grid](
@@ -336,6 +337,7 @@ def quest_bounds(
     scale: float,
     slopes: Optional[torch.Tensor] = None,
     config=None,
+    ws=None,
 ) -> torch.Tensor:
     """Quest upper bound of every logical page's scores, per query head.
 
@@ -347,18 +349,19 @@ def quest_bounds(
             int32 [max_seqs, M]).
         seq_ids: int32/int64 [batch] slots on the cache device.
         scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
+        ws: a Workspace for the output (None: a new tensor).
     Returns:
         float32 [batch, q_heads, M]; -inf for pages past the sequence end.
     """
     resolve(config)  # (the scoring kernel has no launch choices; checked for a uniform signature)
-    u, _, _ = _score(q, cache, seq_ids, scale, slopes, gauss=False)
+    u, _, _ = _score(q, cache, seq_ids, scale, slopes, gauss=False, ws=ws)
     return u
 
 
-def bounds_with_slack(q, cache, seq_ids, *, scale, slopes=None) -> torch.Tensor:
+def bounds_with_slack(q, cache, seq_ids, *, scale, slopes=None, ws=None) -> torch.Tensor:
     """Quest bounds plus the reference's rounding slack (``scoring.bound_slack``),
     float32 [batch, q_heads, M]: the safe bound the certificate compares."""
-    u, _, _ = _score(q, cache, seq_ids, scale, slopes, gauss=False, slack=True)
+    u, _, _ = _score(q, cache, seq_ids, scale, slopes, gauss=False, slack=True, ws=ws)
     return u
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ...types import Selection
 from ..config import KernelConfig, resolve
-from .._common import (as_slopes, beta_kind, cdiv, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
+from .._common import (alloc, as_slopes, beta_kind, cdiv, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
                        launch_count, launch_opts, next_pow2, split_f32)
 from .combine import _attn_combine_kernel
 from .finish import _attn_finish_kernel, _attn_vacc_kernel
@@ -31,10 +31,13 @@ def _check_inputs(q: torch.Tensor, cache) -> None:
 def _run(
     q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
     alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None, config: KernelConfig,
+    ws=None, out=None,
 ):
     """Launch the split pass and the finishing kernels; returns (out or None, tau).
     ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
-    (AttentionConfig.poll_ready); ``config``: the launch choices."""
+    (AttentionConfig.poll_ready); ``config``: the launch choices; ``ws``:
+    where scratch comes from (a Workspace, or None: torch.empty); ``out``:
+    [B, HQ, D] in q's dtype to write, or None (allocated)."""
     c = config.attention
     alpha = kernel_alpha(alpha)
     _check_inputs(q, cache)
@@ -52,14 +55,15 @@ def _run(
     if qk.dtype != cache.dtype:
         dot_f32, prec = True, "ieee"
     (skp, skh, skr), (svp, svh, svr) = kv_strides(cache)
-    sl = as_slopes(slopes, HQ, dev)
+    mem = alloc(ws)
+    sl = as_slopes(slopes, HQ, dev, ws)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
-    if dense:  # unread placeholders (DENSE walks every page): torch.empty launches no fill
-        pages = torch.empty(1, 1, 1, dtype=torch.int32, device=dev)
-        counts = torch.empty(1, 1, dtype=torch.int32, device=dev)
+    if dense:  # unread placeholders (DENSE walks every page): no fill is launched
+        pages = mem.empty((1, 1, 1), torch.int32, dev)
+        counts = mem.empty((1, 1), torch.int32, dev)
     R = B * HQ
     f32 = torch.float32
-    tau = torch.empty(R, dtype=f32, device=dev)
+    tau = mem.empty(R, f32, dev)
     beta = 1.0 / (alpha - 1.0) if not softmax else 1.0
     bk = beta_kind(alpha)
     form = entmax_form(alpha) if not softmax else 0
@@ -68,24 +72,24 @@ def _run(
     pscale = (alpha - 1.0) ** 2 if bk == 2 else 1.0
     CAP = 1
     if softmax:
-        pm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
-        pl = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        pm = mem.empty((R, NSPLIT), f32, dev)
+        pl = mem.empty((R, NSPLIT), f32, dev)
         finish = False
     else:
         # one candidate list per (query head, split), room for all its tokens
         # (staged as rows of BLOCK_T slots, then compacted in place)
         CAP = cdiv(_max_share(W, NSPLIT, cfg["MIN_PER"]) * P, BLOCK_T) * BLOCK_T
-        cx = torch.empty(R * NSPLIT * CAP, dtype=f32, device=dev)
-        ci = torch.empty(R * NSPLIT * CAP, dtype=torch.int32, device=dev)
-        cn = torch.empty(R, NSPLIT, dtype=torch.int32, device=dev)
-        clb = torch.empty(R, NSPLIT, dtype=f32, device=dev)
-        cm = torch.empty(R, NSPLIT, dtype=f32, device=dev)
+        cx = mem.empty(R * NSPLIT * CAP, f32, dev)
+        ci = mem.empty(R * NSPLIT * CAP, torch.int32, dev)
+        cn = mem.empty((R, NSPLIT), torch.int32, dev)
+        clb = mem.empty((R, NSPLIT), f32, dev)
+        cm = mem.empty((R, NSPLIT), f32, dev)
         pm = pl = clb  # unused
         block_k = max(4, c.solve_tile // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
         fits = CAP <= block_k
         finish = want_out and c.finish and (fits or cfg["USE_DOT"] or NSPLIT <= c.finish_max_splits)
     # the split partials, read by _attn_vacc_kernel / _attn_combine_kernel only
-    pacc = torch.empty(R, NSPLIT, D, dtype=f32, device=dev) if softmax or (want_out and not finish) else pm
+    pacc = mem.empty((R, NSPLIT, D), f32, dev) if softmax or (want_out and not finish) else pm
     # (the bound's Newton step needs f convex, alpha <= 2, and u^beta to hold
     # its digits in float32: not for beta above 16, near softmax)
     newton = c.tile_newton if (not softmax and alpha <= 2.0 and beta <= 16.0) else 0
@@ -141,7 +145,7 @@ def _run(
         tinit = tau_init.reshape(R).to(f32).contiguous() if has_init else tau
         fused = c.fused_sums and (c.fused_sums_interpreted or not interpreting())
         if finish:
-            out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
+            out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev) if out is None else out
             block_d = next_pow2(D)
             _attn_finish_kernel[(R,)](
                 cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out, done,
@@ -158,7 +162,7 @@ def _run(
             )
             return out, tau.view(B, HQ)
         # the row max and the shifted threshold, for the V pass
-        th = torch.empty(R, 2, dtype=torch.float64 if form == 2 else f32, device=dev)
+        th = mem.empty((R, 2), torch.float64 if form == 2 else f32, dev)
         _attn_solve_kernel[(R,)](
             cx, cn, clb, cm, tinit, tau, th,
             float(alpha), float(beta), am1, am1_lo, CAP,
@@ -180,7 +184,7 @@ def _run(
             BLOCK_C=max(16, min(vblock, 8192 // block_d)), BETA_KIND=bk, FORM=form, ACC_ROWS=vrows,
             num_warps=vwarps, **opts,
         )
-    out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
+    out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev) if out is None else out
     _attn_combine_kernel[(R,)](
         pm, pl, pacc, tau, out, done,
         pscale, out.stride(0), out.stride(1), HQ,
@@ -207,6 +211,8 @@ def attend(
     slopes: Optional[torch.Tensor] = None,
     tau_init: Optional[torch.Tensor] = None,
     config=None,
+    ws=None,
+    out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact alpha-entmax (alpha = 1: softmax) attention over the selected pages.
 
@@ -238,8 +244,11 @@ def attend(
         out [batch, q_heads, head_dim] in q's dtype (zeros for a head with no
         kept token) and tau float32 [batch, q_heads] (softmax: log-sum-exp;
         +inf for a head with no kept token).
-    Workspace: float32+int32 candidates of size batch * q_heads * W * P for
-    entmax (W = sel width), allocated per call.
+    ws: a Workspace for the scratch (None: allocated per call): float32 +
+    int32 candidates of size batch * q_heads * W * P for entmax (W = sel
+    width). out: optional [batch, q_heads, head_dim] in q's dtype, written
+    (and returned) instead of a new tensor; the tau returned is scratch
+    when ``ws`` is given (valid until the workspace's next step).
     """
     B, HQ, _ = q.shape
     pages, counts = sel.pages, sel.counts
@@ -262,7 +271,7 @@ def attend(
                              f"{q.device}, got {ready.dtype} {tuple(ready.shape)} on {ready.device}")
     return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,
                 alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init, ready=ready,
-                config=resolve(config))
+                config=resolve(config), ws=ws, out=out)
 
 
 def dense_attend(
@@ -274,6 +283,8 @@ def dense_attend(
     scale: float,
     slopes: Optional[torch.Tensor] = None,
     config=None,
+    ws=None,
+    out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Full-cache attention (the ``Full`` policy) without a Selection.
 
@@ -282,21 +293,21 @@ def dense_attend(
     running lower bound on tau) to HBM, never the whole score row, and reads
     V only for support tokens.
 
-    Args and returns as :func:`attend` (no ``sel``, no ``tau_init``).
+    Args and returns as :func:`attend` (no ``sel``, no ``tau_init``; ``ws``, ``out`` as there).
     Workspace (entmax): batch * q_heads * max_pages_per_seq * P candidates.
     """
     M = cache.block_table.shape[1]
     return _run(q, cache, seq_ids, None, None, cache.kv_heads, M, True,
-                alpha=alpha, scale=scale, slopes=slopes, tau_init=None, config=resolve(config))
+                alpha=alpha, scale=scale, slopes=slopes, tau_init=None, config=resolve(config), ws=ws, out=out)
 
 
 def selection_tau(q, cache, seq_ids, sel: Selection, *, alpha: float, scale: float,
-                  slopes=None, tau_init=None, config=None) -> torch.Tensor:
+                  slopes=None, tau_init=None, config=None, ws=None) -> torch.Tensor:
     """tau [batch, q_heads] over the selected pages without computing the output
     (entmax only; used by the certified policy)."""
     B, HQ, _ = q.shape
     S, W = sel.pages.shape[1], sel.pages.shape[2]
     _, tau = _run(q, cache, seq_ids, sel.pages.to(torch.int32).contiguous(), sel.counts.to(torch.int32),
                   S, max(W, 1), False, alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init,
-                  want_out=False, config=resolve(config))
+                  want_out=False, config=resolve(config), ws=ws)
     return tau

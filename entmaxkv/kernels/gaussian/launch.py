@@ -5,7 +5,7 @@ import torch
 
 from ...types import Selection
 from ..config import resolve
-from .._common import as_slopes, cdiv, launch_opts, next_pow2, num_sms
+from .._common import alloc, as_slopes, cdiv, launch_opts, next_pow2, num_sms
 from ..scoring import meta_strides, prep_query
 from .plan import _beta_kind3, gauss_plan, z_table
 from .solve import _gauss_iter_kernel, _gauss_select_kernel
@@ -13,7 +13,7 @@ from .stats import _gauss_start_kernel, _gauss_stats_kernel
 
 
 def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, slopes=None,
-                    config=None) -> Selection:
+                    config=None, ws=None) -> Selection:
     """Gaussian-aware selection (Triton).
 
     Args:
@@ -25,7 +25,8 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
         Selection(pages int32 [batch, S, M] unsorted, counts int32 [batch, S],
         tau_hat float32 [batch, q_heads]).
     alpha must be 2, 1.5 or 4/3 (closed-form truncated moments); other alpha
-    use the reference implementation (correct, not fused).
+    use the reference implementation (correct, not fused). ``ws``: a
+    Workspace for the scratch and the Selection's tensors (None: torch.empty).
     """
     if alpha <= 1.0:
         raise ValueError("policy: gaussian needs entmax (alpha > 1)")
@@ -49,18 +50,19 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     NCH, CH = cfg["NCH"], cfg["CH"]
     nch_p2 = next_pow2(NCH)
     smp, smh = meta_strides(cache, ("k_mean", "k_std"))
-    sl = as_slopes(slopes, HQ, dev)
+    mem = alloc(ws)
+    sl = as_slopes(slopes, HQ, dev, ws)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
     am1, beta = float(alpha - 1.0), float(1.0 / (alpha - 1.0))
-    mu = torch.empty(B, HQ, M, dtype=torch.float32, device=dev)
-    sg = torch.empty_like(mu)
+    mu = mem.empty((B, HQ, M), torch.float32, dev)
+    sg = mem.empty((B, HQ, M), torch.float32, dev)
     opts = launch_opts(dev, config.pdl)
     NC = cfg["NCS"]
     stages = {} if cfg["SSTAGES"] is None else dict(num_stages=cfg["SSTAGES"])
-    pages = torch.empty(B, S, M, dtype=torch.int32, device=dev)  # padding past counts is never read
-    counts = torch.empty(B, S, dtype=torch.int32, device=dev)  # zeroed by the stats launch
-    tau_hat = torch.empty(B, HQ, dtype=torch.float32, device=dev)
-    st = torch.empty(R, NC, 5, dtype=torch.float32, device=dev)
+    pages = mem.empty((B, S, M), torch.int32, dev)  # padding past counts is never read
+    counts = mem.empty((B, S), torch.int32, dev)  # zeroed by the stats launch
+    tau_hat = mem.empty((B, HQ), torch.float32, dev)
+    st = mem.empty((R, NC, 5), torch.float32, dev)
     _gauss_stats_kernel[(B * H, NC)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_mean, cache.k_std,
         mu, sg, st, counts,
@@ -74,8 +76,8 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     nit = 0 if policy.pooled else c.nit
     # two start points only under ALiBi (see _gauss_start_kernel)
     two = slopes is not None and not policy.pooled
-    state = torch.empty(max(nit, 1), R, 4, dtype=torch.float64, device=dev)
-    part = torch.empty(max(nit, 1), R, NCH, 6, dtype=torch.float64, device=dev)
+    state = mem.empty((max(nit, 1), R, 4), torch.float64, dev)
+    part = mem.empty((max(nit, 1), R, NCH, 6), torch.float64, dev)
     _gauss_start_kernel[(R,)](
         st, state, NC, am1, beta,
         BLOCK_C=min(1024, next_pow2(NC)), POOLED=policy.pooled, ITERS=c.scalar_iters, START_ITERS=c.start_iters,

@@ -7,7 +7,7 @@ import torch
 
 from ...types import Pending, Selection
 from ..config import TopKConfig, resolve
-from .._common import as_slopes, cdiv, launch_count, launch_opts, next_pow2, num_sms
+from .._common import alloc, as_slopes, cdiv, launch_count, launch_opts, next_pow2, num_sms
 from ..scoring import meta_strides, prep_query
 from .chain import _topk_chunk_kernel, _topk_lb_kernel, _topk_merge_kernel
 from .keys import _topk_gmax_kernel, _topk_keys_kernel
@@ -45,14 +45,14 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
 
 
 def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, opts: dict, c: TopKConfig,
-                ready: Optional[torch.Tensor] = None):
+                ready: Optional[torch.Tensor] = None, ws=None):
     """_topk_gmax_kernel over a [rows, MK] key table: the largest key of each of
     about ``groups`` groups per row (gmax_groups); ``ready``: int32 [2, rows]
     counters to zero on the way, or None.
     Returns (gmax int32 [rows * NKP], NKP, group size)."""
     NKP, gs = gmax_groups(MK, CH, groups)
     gb = max(1, c.gmax_keys // gs)
-    gmax = torch.empty(rows * NKP, dtype=torch.int32, device=keys.device)
+    gmax = alloc(ws).empty(rows * NKP, torch.int32, keys.device)
     _topk_gmax_kernel[(rows, cdiv(NKP, gb))](keys, gmax, ready if ready is not None else gmax, MK, NKP, rows,
                                         GS=gs, GB=gb, ZERO=ready is not None, num_warps=c.gmax_warps, **opts)
     return gmax, NKP, gs
@@ -61,7 +61,7 @@ def launch_gmax(keys: torch.Tensor, rows: int, MK: int, CH: int, groups: int, op
 def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_lens: torch.Tensor,
                   pages: torch.Tensor, counts: torch.Tensor, sinks: int, window: int, k_pages: int,
                   P: int, *, c: TopKConfig, cnt: Optional[torch.Tensor] = None, nchk: int = 0,
-                  ready: Optional[torch.Tensor] = None, pdl: bool = True) -> tuple:
+                  ready: Optional[torch.Tensor] = None, pdl: bool = True, ws=None) -> tuple:
     """A whole selection from a key table: _topk_gmax_kernel, then one
     _topk_rowsel_kernel program per row. keys: int32 [B * S * MK] (row b * S + s,
     INT32_MIN past the row's pages); ids: int32 [B] cache slots; pages /
@@ -76,13 +76,14 @@ def launch_rowsel(keys: torch.Tensor, MK: int, CH: int, ids: torch.Tensor, seq_l
     B, S, W = pages.shape
     opts = launch_opts(keys.device, pdl)
     groups, NKP, rp = rowsel_plan(c, MK, CH, W)
+    mem = alloc(ws)
     if cnt is None:
-        gmax = launch_gmax(keys, B * S, MK, CH, groups, opts, c, ready=ready)[0]
+        gmax = launch_gmax(keys, B * S, MK, CH, groups, opts, c, ready=ready, ws=ws)[0]
     else:
-        gmax = torch.empty(B * S * NKP, dtype=torch.int32, device=keys.device)
-    glist = torch.empty(B * S * rp["NKP_P2"], dtype=torch.int32, device=keys.device)
-    ck = torch.empty(B * S * rp["CAP"], dtype=torch.int32, device=keys.device)
-    cp = torch.empty_like(ck)
+        gmax = mem.empty(B * S * NKP, torch.int32, keys.device)
+    glist = mem.empty(B * S * rp["NKP_P2"], torch.int32, keys.device)
+    ck = mem.empty(B * S * rp["CAP"], torch.int32, keys.device)
+    cp = mem.empty(B * S * rp["CAP"], torch.int32, keys.device)
     _topk_rowsel_kernel[(B * S,)](
         ids, seq_lens, keys, gmax, glist, ck, cp, pages, counts, cnt if cnt is not None else counts,
         ready if ready is not None else counts, MK, NKP, W, sinks, window, k_pages, nchk,
@@ -111,6 +112,7 @@ def select_topk(
     slopes: Optional[torch.Tensor] = None,
     ub: Optional[torch.Tensor] = None,
     config=None,
+    ws=None,
 ) -> Selection:
     """Quest top-k selection (Triton), fused with the bound computation.
 
@@ -123,6 +125,7 @@ def select_topk(
         ub: optional float32 [batch, q_heads, M] output buffer; when given, the
             Quest bounds plus the reference's rounding slack (``bound_slack``)
             are written there too (the certified policy's safe bound).
+        ws: a Workspace for the scratch and the Selection's tensors (None: torch.empty).
     Returns:
         Selection(pages int32 [batch, S, W], counts int32 [batch, S]) with
         W = min(M, max(budget // P, 1 + sinks + window)); pages unsorted;
@@ -144,12 +147,13 @@ def select_topk(
                     cap=c.select_ch if all_heads else 4096)
     NCH, CH = cfg["NCH"], cfg["CH"]
     smp, smh = meta_strides(cache)
-    sl = as_slopes(slopes, HQ, dev)
+    mem = alloc(ws)
+    sl = as_slopes(slopes, HQ, dev, ws)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
-    pages = torch.empty(B, S, W, dtype=torch.int32, device=dev)  # padding past counts is never read
-    counts = torch.empty(B, S, dtype=torch.int32, device=dev)
+    pages = mem.empty((B, S, W), torch.int32, dev)  # padding past counts is never read
+    counts = mem.empty((B, S), torch.int32, dev)
     MK = NCH * CH
-    keys = torch.empty(B * S * MK, dtype=torch.int32, device=dev)
+    keys = mem.empty(B * S * MK, torch.int32, dev)
     write_ub = ub is not None
     opts = launch_opts(dev, config.pdl)
     prefilter = all_heads and c.prefilter
@@ -162,29 +166,29 @@ def select_topk(
     # fill with the keys pass's per batch row; else _topk_gmax_kernel zeroes them.
     cnt = ready = None
     if overlap:
-        zeros = torch.zeros(B + 2 * B * S, dtype=torch.int32, device=dev)
+        zeros = mem.zeros(B + 2 * B * S, torch.int32, dev)
         cnt, ready = zeros[:B], zeros[B:].view(2, B, S)
     elif rowsel:
-        ready = torch.empty(2, B, S, dtype=torch.int32, device=dev)
+        ready = mem.empty((2, B, S), torch.int32, dev)
     if all_heads:
         kp = launch_keys(q, sl, ids, cache, keys, ub, MK, scale, sinks, window, k_pages,
                          has_alibi=slopes is not None, c=c, cnt=cnt, pdl=opts["PDL"])
     if rowsel:
         scratch = launch_rowsel(keys, MK, CH, ids, cache.seq_lens, pages, counts, int(sinks), int(window),
                                 k_pages, P, c=c, cnt=cnt, nchk=cdiv(MK, kp["KCH"]) if overlap else 0,
-                                ready=ready, pdl=opts["PDL"])
+                                ready=ready, pdl=opts["PDL"], ws=ws)
         # (the attention may start while this selection, and overlapped the
         # keys pass, still read q, the slopes, ids and the key table)
         return Selection(pages, counts, pending=Pending(ready, launch_count(), (q, sl, ids, keys) + scratch))
     if NCH > 1:
-        ck = torch.empty(B * S * NCH * W, dtype=torch.int32, device=dev)
-        cp = torch.empty_like(ck)
-        cn = torch.empty(B * S * NCH, dtype=torch.int32, device=dev)
+        ck = mem.empty(B * S * NCH * W, torch.int32, dev)
+        cp = mem.empty(B * S * NCH * W, torch.int32, dev)
+        cn = mem.empty(B * S * NCH, torch.int32, dev)
     else:
         ck = cp = cn = keys
-    lbs = torch.empty(B * S, dtype=torch.int32, device=dev)
+    lbs = mem.empty(B * S, torch.int32, dev)
     if prefilter:
-        gmax, NKP, _ = launch_gmax(keys, B * S, MK, CH, c.gmax_groups, opts, c)
+        gmax, NKP, _ = launch_gmax(keys, B * S, MK, CH, c.gmax_groups, opts, c, ws=ws)
         _topk_lb_kernel[(B * S,)](gmax, lbs, ids, cache.seq_lens, NKP, int(sinks), int(window), k_pages,
                              S=S, P=P, NKP_P2=next_pow2(NKP), NT=c.lb_nt, E=c.lb_e, num_warps=c.lb_warps, **opts)
     _topk_chunk_kernel[(B * S, NCH)](
