@@ -8,6 +8,9 @@ Public API::
     seq = cache.allocate(); cache.prefill(seq, k, v)
     out = decode(q, cache, [seq], TopK(1024), alpha=1.5)
 
+    dec = Decoder(TopK(1024), q_heads=..., kv_heads=..., head_dim=..., page_size=...)
+    dec.plan_cache(cache, [seq]); out = dec.run(q, cache.layer(0))   # plan per step, run per layer
+
 ``entmaxkv.entmax`` is the module of the alpha-entmax mapping (thresholds,
 probabilities). Its function is ``from entmaxkv.entmax import entmax``, or
 ``entmaxkv.alpha_entmax`` at the top level: re-exporting it as
@@ -20,6 +23,7 @@ from .decode import decode
 from .entmax import entmax as alpha_entmax
 from .entmax import entmax_threshold
 from .metrics import Quality, dense_attention, evaluate_selection
+from .planner import Decoder
 from .policies import Certified, Full, Gaussian, TopK
 from .types import DecodeStats, Selection
 
@@ -29,6 +33,7 @@ __all__ = [
     "CacheFullError",
     "Certified",
     "DecodeStats",
+    "Decoder",
     "Full",
     "Gaussian",
     "PagedKVCache",

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple
 import torch
 
 __all__ = [
-    "as_bool", "as_choice", "as_device", "as_dim", "as_dtype", "as_float", "as_float_tensor", "as_int",
+    "as_bool", "as_choice", "as_device", "as_ids", "as_dim", "as_dtype", "as_float", "as_float_tensor", "as_int",
     "check_reduced_shape", "describe", "is_int", "is_number",
     "device_flag", "float_flag", "int_flag",
 ]
@@ -209,6 +209,27 @@ def check_reduced_shape(value: Any, name: str, x: torch.Tensor, dim: int, xname:
 
 
 # ------------------------------------------------------------ argparse types
+def as_ids(value: Any, name: str, want: str) -> Optional[Tuple[int, ...]]:
+    """Row / slot ids: a sequence of ints (list, tuple, 1-d NumPy array) or
+    a 1-d int32/int64 tensor, as a tuple of Python ints; None for a tensor on
+    a GPU (reading it would synchronise). ``want`` says what was expected in
+    the error (ValueError naming ``name``)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected {want}, got shape {tuple(value.shape)} dtype {value.dtype}")
+        return tuple(value.tolist()) if value.device.type == "cpu" else None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name}: expected {want}, got {describe(value)}")
+    if getattr(value, "ndim", 1) != 1:
+        raise ValueError(f"{name}: expected {want}, got an array of shape {value.shape}")
+    out = []
+    for i, s in enumerate(value):
+        if not is_int(s):
+            raise ValueError(f"{name}: expected {want}, got {describe(s)} at position {i}")
+        out.append(int(s))
+    return tuple(out)
+
+
 def int_flag(lo: Optional[int] = None, hi: Optional[int] = None) -> Callable[[str], int]:
     """An argparse ``type`` parsing an int in [lo, hi]."""
 

@@ -15,50 +15,37 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import attention, scoring
-from .backend import BACKENDS, Backend, resolve_backend
+from .backend import BACKENDS
 from .cache import PagedKVCache
 from .policies import Full, Policy, check_policy
-from ._checks import as_bool, as_choice, as_float, describe, is_int
+from ._checks import as_bool, as_choice, as_float, as_ids, describe
 from .limits import POSITION_MAX, check_alpha, effective_alpha
-from .types import DecodeStats
 
 
-def _seq_tensor(seq_ids, cache: PagedKVCache, batch: int) -> torch.Tensor:
-    """Validate sequence ids against the host bookkeeping; int32 [B] on device.
+def _seq_ids(seq_ids, cache: PagedKVCache, batch: int):
+    """Validate sequence ids against the host bookkeeping: a tuple of ints,
+    or the given int tensor when it lives on the GPU (which cannot be
+    checked without a synchronisation).
 
     ``seq_ids``: an int32/int64 tensor [B], or a sequence (list, tuple, NumPy
     array) of B ints (NumPy ints included).
     """
     want = f"a list of {batch} ints or an int32/int64 tensor of shape ({batch},)"
-    if isinstance(seq_ids, torch.Tensor):
-        if seq_ids.dim() != 1 or seq_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"seq_ids: expected {want}, got shape {tuple(seq_ids.shape)} dtype {seq_ids.dtype}"
-            )
-        host = seq_ids.tolist() if seq_ids.device.type == "cpu" else None
-        ids = seq_ids
-    else:
-        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__") or not hasattr(seq_ids, "__iter__"):
-            raise ValueError(f"seq_ids: expected {want}, got {describe(seq_ids)}")
-        if getattr(seq_ids, "ndim", 1) != 1:
-            raise ValueError(f"seq_ids: expected {want}, got an array of shape {seq_ids.shape}")
-        host = []
-        for i, s in enumerate(seq_ids):
-            if not is_int(s):
-                raise ValueError(f"seq_ids: expected {want}, got {describe(s)} at position {i}")
-            host.append(int(s))
-        ids = torch.tensor(host, dtype=torch.int32)
-    if ids.numel() != batch:
-        raise ValueError(f"seq_ids: expected {batch} ids (one per query row), got {ids.numel()}")
-    if host is not None:  # a CUDA tensor of ids cannot be checked without a sync
-        active = set(cache.active_seqs())
-        for s in host:
-            if s not in active:
-                raise ValueError(f"seq_ids: sequence {s} is not allocated in the cache")
-            if cache.length(s) == 0:
-                raise ValueError(f"seq_ids: sequence {s} is empty; append its token first")
-    return ids.to(device=cache.device, dtype=torch.int32, non_blocking=True)
+    host = as_ids(seq_ids, "seq_ids", want)
+    if isinstance(seq_ids, torch.Tensor) and seq_ids.device.type != "cpu" and seq_ids.device != cache.device:
+        raise ValueError(f"seq_ids: expected a tensor on {cache.device} (the cache's device), got {seq_ids.device}")
+    n = len(host) if host is not None else seq_ids.numel()
+    if n != batch:
+        raise ValueError(f"seq_ids: expected {batch} ids (one per query row), got {n}")
+    if host is None:
+        return seq_ids
+    active, lens = cache._active, cache._lens
+    for s in host:
+        if not (0 <= s < len(active)) or not active[s]:
+            raise ValueError(f"seq_ids: sequence {s} is not allocated in the cache")
+        if lens[s] == 0:
+            raise ValueError(f"seq_ids: sequence {s} is empty; append its token first")
+    return host
 
 
 def _check_query(q: torch.Tensor, cache: PagedKVCache, check_finite: Optional[bool]) -> None:
@@ -141,6 +128,7 @@ def decode(
     backend: str = "auto",
     check_finite: Optional[bool] = None,
     kernel_config=None,
+    layer: int = 0,
 ):
     """One decoding step of alpha-entmax (or softmax) attention over a paged cache.
 
@@ -177,6 +165,7 @@ def decode(
         kernel_config: the Triton kernels' launch choices
             (``entmaxkv.kernels.KernelConfig``; None: the measured defaults).
             Unused by the reference backend.
+        layer: which layer of the cache (``PagedKVCache(num_layers=...)``).
     Returns:
         out [batch, q_heads, head_dim] in q's dtype, or (out, DecodeStats).
         A head whose whole row is masked (cannot happen for a non-empty
@@ -203,53 +192,37 @@ def decode(
     ):
         raise ValueError(f"out: expected a tensor of shape {tuple(q.shape)}, dtype {q.dtype}, on {q.device}, "
                          f"got {describe(out)}")
-    ids = _seq_tensor(seq_ids, cache, B)
-    ops = resolve_backend(backend, q.device, kernel_config)
-
-    sel, o, tau, ub = run_step(ops, policy, q, cache, ids, alpha, scale, slopes, need_bounds=return_stats)
-    if out is not None:
-        out.copy_(o)
-        o = out
-    if not return_stats:
-        return o
-    return o, step_stats(ops, cache, ids, sel, o, tau, ub, alpha, HQ, q, scale, slopes)
-
-
-def run_step(ops: Backend, policy, q, cache, ids, alpha, scale, slopes, *, need_bounds=False):
-    """Selection + attention on backend ``ops`` (no validation).
-
-    Returns (selection, out, tau, quest bounds or None); the selection is
-    None for Full without ``need_bounds`` (the dense pass needs none).
-    """
-    # Bounds only for the certificate; selection computes what it needs itself
-    # (the kernels fuse the bound into top-k), and the reference reuses these.
-    ub = ops.quest_bounds(q, cache, ids, scale=scale, slopes=slopes) if need_bounds else None
-    if isinstance(policy, Full):
-        o, tau = ops.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
-        sel = ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub) if need_bounds else None
-        return sel, o, tau, ub
-    sel = ops.select(policy, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
-    o, tau = ops.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes, tau_init=sel.tau_hat)
-    return sel, o, tau, ub
+    ids = _seq_ids(seq_ids, cache, B)
+    kv = cache.layer(layer)
+    dec = _decoder(cache, policy, alpha, scale, alibi_slopes, slopes, HQ, backend, kernel_config)
+    dec.plan(cache.block_table, cache.seq_lens, ids)
+    if out is not None and out.stride(-1) != 1:  # the kernels write rows with a unit stride
+        res = dec.run(q, kv, return_stats=return_stats)
+        out.copy_(res[0] if return_stats else res)
+        return (out, res[1]) if return_stats else out
+    return dec.run(q, kv, out, return_stats=return_stats)
 
 
-def step_stats(ops: Backend, cache, ids, sel, out, tau, ub, alpha, HQ, q, scale, slopes) -> DecodeStats:
-    """Per-query-head statistics and the exactness certificate.
+_MAX_DECODERS = 16  # per cache: one per (policy, alpha, scale, slopes, heads, backend, config) in use
 
-    ``certified`` is ``ops.certify`` (the bounds and tau are finite and the
-    bounds prove every left-out page empty of support) and the head's output
-    ``out`` and query ``q`` are finite: a few reductions over tensors the
-    step already has, all on the device (no host synchronisation).
-    """
-    lay = scoring.page_layout(cache, ids)
-    M = lay.n_tok.shape[1]
-    S = sel.sel_heads
-    keep = attention.selection_mask(sel, M).repeat_interleave(HQ // S, dim=1)  # [B, HQ, M]
-    keep = keep & lay.valid[:, None, :]
-    pages_read = keep.sum(-1).to(torch.int32)
-    tokens_read = (keep * lay.n_tok[:, None, :]).sum(-1).to(torch.int32)
-    coverage = (tokens_read.to(torch.float32) / lay.seq_len[:, None].clamp(min=1).to(torch.float32))
-    slack = scoring.bound_slack(q, cache, ids, scale=scale, slopes=slopes, layout=lay)
-    certified = ops.certify(ub, sel, tau, alpha, lay.seq_len, page_size=cache.page_size, slack=slack)
-    certified = certified & attention.finite_rows(out, q)
-    return DecodeStats(pages_read, tokens_read, coverage, tau.to(torch.float32), certified)
+
+def _decoder(cache, policy, alpha, scale, user_slopes, slopes, HQ, backend, kernel_config):
+    """The cache's planned decoder for these settings (made on first use).
+
+    Keyed by the caller's slopes tensor and its version counter, so an
+    in-place change of the slopes gives a new decoder."""
+    from .planner import Decoder
+
+    skey = None if user_slopes is None else (id(user_slopes), user_slopes._version)
+    key = (policy, alpha, scale, skey, HQ, backend, kernel_config)
+    store = cache.__dict__.setdefault("_decoders", {})
+    hit = store.get(key)
+    if hit is not None and hit[0] is user_slopes:
+        return hit[1]
+    dec = Decoder(policy, q_heads=HQ, kv_heads=cache.kv_heads, head_dim=cache.head_dim, page_size=cache.page_size,
+                  alpha=alpha, scale=scale, alibi_slopes=slopes, device=cache.device, backend=backend,
+                  kernel_config=kernel_config)
+    if len(store) >= _MAX_DECODERS:
+        store.pop(next(iter(store)))
+    store[key] = (user_slopes, dec)
+    return dec

@@ -23,7 +23,8 @@ from ._checks import device_flag, float_flag, int_flag
 from .limits import ALPHA_MAX
 from .cache import PagedKVCache
 from .backend import resolve_backend
-from .decode import decode, run_step
+from .decode import decode
+from .step import run_step
 from .metrics import evaluate_selection
 from .policies import Certified, Full, Gaussian, TopK
 

@@ -124,6 +124,8 @@ def check_policy_fields(policy, prefix: str) -> dict:
     elif isinstance(policy, Certified):
         if not isinstance(policy.seed, (TopK, Gaussian)):
             raise ValueError(f"{prefix}.seed: expected a TopK or Gaussian policy, got {describe(policy.seed)}")
+        vals["dense_above"] = as_float(policy.dense_above, f"{prefix}.dense_above", lo=0.0, hi=1.0, lo_open=True)
+        vals["probe_every"] = as_int(policy.probe_every, f"{prefix}.probe_every", lo=1)
     return vals
 
 
@@ -215,6 +217,14 @@ class Certified:
     Attributes:
         seed: a TopK or Gaussian policy (default TopK(1024)).
         sinks, window, per_query_head: as for TopK.
+        dense_above: number in (0, 1]: when a step's selection kept more
+            than this fraction of the pages, the next steps of that layer run
+            the dense pass instead (every page: full-cache attention, so still
+            exact and certified), cheaper than selecting almost everything
+            (``planner.Decoder``; 1 never switches).
+        probe_every: int >= 1: while dense, every probe_every-th step runs
+            the selection again to see whether it still keeps that much
+            (1 never switches either).
 
     Needs entmax, whatever the seed: decode (check_policy) raises a
     ValueError naming ``alpha`` when alpha runs as softmax (alpha = 1, or
@@ -225,6 +235,8 @@ class Certified:
     sinks: int = 0
     window: int = 0
     per_query_head: bool = False
+    dense_above: float = 0.75
+    probe_every: int = 16
     name = "certified"
 
     def __post_init__(self) -> None:

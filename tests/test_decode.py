@@ -112,7 +112,7 @@ def test_selection_with_support_is_exact_and_certified():
         out, stats = decode(q, cache, slots, TopK(16 * (1 + trial % 4)), alpha=1.5, return_stats=True)
         support_pages = set((p[0] > 0).nonzero().flatten().div(4, rounding_mode="floor").tolist())
         from entmaxkv.backend import REFERENCE
-        from entmaxkv.decode import run_step
+        from entmaxkv.step import run_step
         sel, _, _, _ = run_step(REFERENCE, TopK(16 * (1 + trial % 4)), q, cache,
                                 torch.tensor(slots, dtype=torch.int32), 1.5, 8 ** -0.5, None)
         kept = set(sel.pages[0, 0, : int(sel.counts[0, 0])].tolist())

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from entmaxkv import CacheFullError, Certified, Full, Gaussian, PagedKVCache, TopK, decode
 from entmaxkv.backend import REFERENCE
-from entmaxkv.decode import run_step
+from entmaxkv.step import run_step
 from entmaxkv.scoring import page_layout
 from entmaxkv.attention import selection_mask
 from entmaxkv.testing import assert_same_state, cache_state

@@ -84,7 +84,8 @@ def test_certified_logits_equal_full_and_topk_differs():
     x = torch.randint(0, 256, (2, 160))
     sess = DecodeSession(m, 2, 160, page_size=8, copies=3)
     sess.prefill(x[:, :130])
-    pols = [Full(), Certified(seed=TopK(budget=16)), TopK(budget=16)]
+    # (dense_above=1: always the selection, never the dense pass its cost check may choose)
+    pols = [Full(), Certified(seed=TopK(budget=16), dense_above=1.0), TopK(budget=16)]
     certified_any = False
     for t in range(130, 160):
         full = sess.step(x[:, t], pols[0], copy=0)

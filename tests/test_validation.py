@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import entmaxkv
-from entmaxkv import (Certified, Full, Gaussian, Selection, TopK, decode, dense_attention,
+from entmaxkv import (Certified, Decoder, Full, Gaussian, PagedKVCache, Selection, TopK, decode, dense_attention,
                       entmax_threshold, evaluate_selection)
 from entmaxkv.entmax import entmax, entmax_from_tau, entmax15, sparsemax
 from entmaxkv.metrics import quality
@@ -92,6 +92,62 @@ def _cases():
     add("decode", "check_finite", ["no", 1, 0], dec(check_finite=...))
     add("decode", "kernel_config", [3, "default", {}], dec(kernel_config=...))
 
+    add("decode", "layer", BAD_INT + [1, -1], dec(layer=...))
+
+    # --- the planned decoder
+    def decoder(**kw):
+        def call(s, m, bad):
+            args = dict(q_heads=4, kv_heads=2, head_dim=8, page_size=4)
+            args.update({k: (bad if v is ... else v) for k, v in kw.items()})
+            return Decoder(**args)
+        return call
+
+    add("Decoder", "policy", ["topk", TopK, 3], decoder(policy=...))
+    for arg in ("q_heads", "kv_heads", "head_dim"):
+        add("Decoder", arg, BAD_INT + [0, -1], decoder(**{arg: ...}))
+    add("Decoder", "page_size", BAD_INT + [0, 257], decoder(page_size=...))
+    add("Decoder", "alpha", BAD_FLOAT + [0.5, INF], decoder(alpha=...))
+    add("Decoder", "scale", optional(BAD_FLOAT) + [0.0, -1.0, INF], decoder(scale=...))
+    add("Decoder", "alibi_slopes", [torch.ones(3), [0.0] * 4, torch.full((4,), NAN), torch.ones(4, dtype=torch.int32)],
+        decoder(alibi_slopes=...))
+    add("Decoder", "device", ["tpu", 3, "cuda:7"], decoder(device=...))
+    add("Decoder", "backend", ["cuda-magic", None, 1], decoder(backend=...))
+    add("Decoder", "kernel_config", [3, "default", {}], decoder(kernel_config=...))
+    add("Decoder", "cuda_graphs", BAD_BOOL, decoder(cuda_graphs=...))
+
+    def planned(s):
+        cache, slots, q = s
+        return Decoder(q_heads=4, kv_heads=2, head_dim=8, page_size=cache.page_size)
+
+    def plan(**kw):
+        def call(s, m, bad):
+            cache, slots, q = s
+            args = dict(block_table=cache.block_table, seq_lens=cache.seq_lens, seq_ids=slots)
+            args.update({k: (bad if v is ... else v) for k, v in kw.items()})
+            return planned(s).plan(**args)
+        return call
+
+    bt0 = torch.zeros(2, 5, dtype=torch.int32)
+    add("Decoder.plan", "block_table", [None, bt0.long(), bt0.t(), bt0[None], bt0.float()], plan(block_table=...))
+    add("Decoder.plan", "seq_lens", [None, torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                                     torch.zeros(2, 1, dtype=torch.int32)], plan(seq_lens=...))
+    add("Decoder.plan", "seq_ids", ["01", [0.0], [True], [99], [], [-1], torch.tensor([[0]]), torch.tensor([0.0])],
+        plan(seq_ids=...))
+
+    def run(**kw):
+        def call(s, m, bad):
+            cache, slots, q = s
+            args = dict(q=q, kv=cache.layer(), out=None)
+            args.update({k: (bad if v is ... else v) for k, v in kw.items()})
+            return planned(s).plan_cache(cache, slots).run(**args)
+        return call
+
+    add("Decoder.run", "q", [None, torch.randn(2, 4, 7), torch.randn(1, 4, 8), torch.ones(2, 4, 8, dtype=torch.int32)],
+        run(q=...))
+    add("Decoder.run", "kv", [None, "kv", PagedKVCache(4, 8, 2, 8, max_seqs=1).layer()], run(kv=...))
+    add("Decoder.run", "out", [torch.empty(2, 4, 7), torch.empty(2, 4, 8, dtype=torch.float64), [0.0]], run(out=...))
+    add("Decoder.run", "return_stats", BAD_BOOL, run(return_stats=...))
+
     # --- policies (constructors)
     for cls in (Full, TopK, Gaussian, Certified):
         add(cls.__name__, "per_query_head", BAD_BOOL, lambda s, m, bad, c=cls: c(per_query_head=bad))
@@ -102,6 +158,8 @@ def _cases():
     add("Gaussian", "q_max", BAD_FLOAT + ["0.9", 0.0, 1.0, 1.5, -0.1, INF], lambda s, m, bad: Gaussian(q_max=bad))
     add("Gaussian", "margin", BAD_FLOAT + [-1.0, INF], lambda s, m, bad: Gaussian(margin=bad))
     add("Gaussian", "pooled", BAD_BOOL, lambda s, m, bad: Gaussian(pooled=bad))
+    add("Certified", "dense_above", BAD_FLOAT + [0.0, -0.5, 1.5, INF], lambda s, m, bad: Certified(dense_above=bad))
+    add("Certified", "probe_every", BAD_INT + [0, -1], lambda s, m, bad: Certified(probe_every=bad))
     add("Certified", "seed", [None, Full(), Certified(), "topk", 1024], lambda s, m, bad: Certified(seed=bad))
     # --- check_policy: what depends on the cache and alpha
     add("check_policy", "budget", [TopK(8), Certified(seed=TopK(8))],

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from ..backend import resolve_backend
-from ..decode import run_step
+from ..step import run_step
 from ..cache import PagedKVCache
 from ..metrics import evaluate_selection
 from ..model.data import load_split

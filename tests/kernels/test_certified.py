@@ -190,3 +190,15 @@ def test_certify_kernel_refuses_non_finite_inputs():
             fin = torch.isfinite(tau) & (torch.isfinite(bound) | ~valid).all(-1)
             assert not bool((got & ~fin).any())
             assert bool(got.any()) or alpha == 1.0  # not trivially all refused
+
+
+@pytest.mark.parametrize("per_q", [False, True])
+def test_kept_fraction_matches_reference(per_q):
+    """The planner's read-back of a certified selection's coverage: the
+    kernel (lengths through the ids) equals the reference."""
+    cache, ids, q, _ = case([300, 41, 7], 2, 3, 16, 8, torch.float32, seed=5)
+    sel = K.select(Certified(seed=TopK(16), per_query_head=per_q), q, cache, ids, alpha=1.5, scale=0.25)
+    got = K.TritonBackend().kept_fraction(sel, cache, ids)
+    want = RA.kept_fraction(sel, cache.seq_lens[ids.long()], cache.page_size)
+    assert got.shape == (1,) and torch.allclose(got, want, rtol=1e-6)
+    assert 0.0 < float(want) <= 1.0
