@@ -23,7 +23,8 @@ def selected_tokens(
 
     Returns:
         phys:  int64 [B, S, W] physical page of each selection entry.
-        pos:   int64 [B, S, W * P] token position (logical index in the sequence).
+        pos:   int64 [B, S, W * P] token position (index in the sequence; the
+               global one for a shard with a position table).
         valid: bool  [B, S, W * P] the slot is a selected, existing token.
     """
     B, S, W = sel.pages.shape
@@ -32,8 +33,10 @@ def selected_tokens(
     entry_ok = torch.arange(W, device=logical.device)[None, None, :] < sel.counts[..., None]
     logical = torch.where(entry_ok, logical, torch.zeros_like(logical))
     phys = lay.phys.gather(1, logical.reshape(B, S * W)).reshape(B, S, W)
-    pos = logical[..., None] * P + torch.arange(P, device=logical.device)  # [B, S, W, P]
-    valid = entry_ok[..., None] & (pos < lay.seq_len[:, None, None, None])
+    rows = torch.arange(P, device=logical.device)
+    stored = logical[..., None] * P + rows  # [B, S, W, P] index among the row's stored tokens
+    valid = entry_ok[..., None] & (stored < lay.seq_len[:, None, None, None])
+    pos = lay.first.gather(1, logical.reshape(B, S * W)).reshape(B, S, W)[..., None] + rows
     return phys, pos.reshape(B, S, W * P), valid.reshape(B, S, W * P)
 
 

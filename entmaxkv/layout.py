@@ -16,6 +16,14 @@ M logical pages per row):
     welford            [N, H, 2, D]   float32 running (mean, M2), or None (read-only)
     block_table        [R, M]         int32, contiguous: physical page of each logical page
     seq_lens           [R]            int32: tokens held by each row
+    positions          [R, 2]         int32 (query position, position of the row's first token), or None
+    pos_stride         int            positions between consecutive pages of a row (default P)
+
+``positions`` makes the rows shards of longer sequences (context
+parallelism, ``entmaxkv.distributed``): stored token t of a row sits at
+global position ``first + (t // P) * pos_stride + t % P`` and the query at
+``positions[row, 0]``, which is what ALiBi biases use. Without it a row
+holds positions 0 .. seq_len - 1 and its query sits at seq_len - 1.
 """
 from __future__ import annotations
 
@@ -87,6 +95,8 @@ class PagedKV(PageShape):
     block_table: Optional[torch.Tensor] = None
     seq_lens: Optional[torch.Tensor] = None
     welford: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+    pos_stride: Optional[int] = None
 
     # ------------------------------------------------------------ views
     @property
@@ -113,9 +123,12 @@ class PagedKV(PageShape):
     def max_pages_per_seq(self) -> int:
         return self.block_table.shape[1]
 
-    def with_rows(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> "PagedKV":
-        """The same pages and statistics under another block table and lengths."""
-        return dataclasses.replace(self, block_table=block_table, seq_lens=seq_lens)
+    def with_rows(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  positions: Optional[torch.Tensor] = None, pos_stride: Optional[int] = None) -> "PagedKV":
+        """The same pages and statistics under another block table, lengths
+        and (optionally) position table."""
+        return dataclasses.replace(self, block_table=block_table, seq_lens=seq_lens, positions=positions,
+                                   pos_stride=pos_stride)
 
     # ------------------------------------------------------------ checks
     def check(self, *, rows: bool = True, writable: bool = False) -> "PagedKV":
@@ -154,6 +167,17 @@ class PagedKV(PageShape):
                 raise ValueError(f"{name}: the head_dim axis must be contiguous (stride 1)")
         if rows:
             check_rows(self.block_table, self.seq_lens, k.device, "k_pages's device")
+        if self.positions is not None:
+            pos = self.positions
+            R = self.block_table.shape[0] if self.block_table is not None else None
+            if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32 or pos.dim() != 2 or pos.shape[1] != 2 \
+                    or not pos.is_contiguous() or (R is not None and pos.shape[0] != R) or pos.device != k.device:
+                raise ValueError(f"positions: expected a contiguous int32 tensor [rows, 2] on {k.device}, got "
+                                 f"{describe(pos)}")
+            if self.pos_stride is not None and (isinstance(self.pos_stride, bool) or not isinstance(
+                    self.pos_stride, int) or self.pos_stride < self.page_size):
+                raise ValueError(f"pos_stride: expected an int >= page_size ({self.page_size}), got "
+                                 f"{self.pos_stride!r}")
         return self
 
     # ------------------------------------------------------------ building

@@ -31,7 +31,8 @@ class PageLayout:
         phys:    int64 [B, M] physical page id of each logical page.
         seq_len: int64 [B] sequence lengths.
         n_tok:   int64 [B, M] valid tokens per page (0 past the end).
-        first:   int64 [B, M] position of the page's first token.
+        first:   int64 [B, M] position of the page's first token (global
+                 positions for a shard with a position table).
         pos_q:   int64 [B] position of the query (the last cached token).
     """
 
@@ -58,9 +59,16 @@ def page_layout(cache: PagedKVCache, seq_ids: torch.Tensor) -> PageLayout:
     phys = cache.block_table.index_select(0, seq_ids).long()  # [B, M]
     seq_len = cache.seq_lens.index_select(0, seq_ids).long()  # [B]
     M = phys.shape[1]
-    first = torch.arange(M, device=phys.device, dtype=torch.long) * P  # [M]
-    n_tok = (seq_len[:, None] - first[None, :]).clamp(0, P)  # [B, M]
-    return PageLayout(phys, seq_len, n_tok, first.expand_as(n_tok), seq_len - 1)
+    start = torch.arange(M, device=phys.device, dtype=torch.long) * P  # [M] first stored token of each page
+    n_tok = (seq_len[:, None] - start[None, :]).clamp(0, P)  # [B, M]
+    positions = getattr(cache, "positions", None)
+    if positions is None:
+        return PageLayout(phys, seq_len, n_tok, start.expand_as(n_tok), seq_len - 1)
+    # a shard of a longer sequence (layout.PagedKV.positions): global positions
+    pos = positions.index_select(0, seq_ids).long()  # [B, 2]: query, first stored token
+    stride = getattr(cache, "pos_stride", None) or P
+    first = pos[:, 1:] + torch.arange(M, device=phys.device, dtype=torch.long)[None, :] * stride
+    return PageLayout(phys, seq_len, n_tok, first, pos[:, 0])
 
 
 def _slopes(slopes: Optional[torch.Tensor], hq: int, like: torch.Tensor) -> torch.Tensor:
@@ -143,7 +151,7 @@ def bound_slack(
     kabs = torch.maximum(cache.k_max[lay.phys].abs(), cache.k_min[lay.phys].abs()).to(dt)
     mag = torch.einsum("bhgd,bmhd->bhgm", qg, kabs).reshape(B, HQ, -1) * scale
     sl = _slopes(slopes, HQ, mag).abs()[None, :, None]
-    mag = mag + sl * (lay.seq_len[:, None, None].to(dt) + 1.0)
+    mag = mag + sl * (lay.pos_q[:, None, None].to(dt) + 2.0)
     return 4.0 * (D + 4) * torch.finfo(dt).eps * mag
 
 

@@ -270,6 +270,50 @@ def beta_kind(alpha: float) -> int:
 
 
 @triton.jit
+def query_offset(n, pos_ptr, seq, HAS_POS: tl.constexpr):
+    """(qoff, qpos) of cache row ``seq`` of length n: the query's position
+    relative to the row's first stored token, and its global position
+    (the largest |relative position|). Without a position table (HAS_POS
+    False) the row holds positions 0 .. n-1: both are n - 1. With one
+    (int32 [rows, 2]: query position, position of the first stored token),
+    the row is a shard of a longer sequence (``layout.PagedKV.positions``)."""
+    if HAS_POS:
+        qpos = tl.load(pos_ptr + seq * 2)
+        base = tl.load(pos_ptr + seq * 2 + 1)
+        return qpos - base, qpos
+    else:
+        return n - 1, n - 1
+
+
+@triton.jit
+def rel_pos(local, qoff, P: tl.constexpr, PSTRIDE: tl.constexpr):
+    """Position relative to the query (int) of stored token ``local`` (a
+    row's token index, page-major): consecutive pages of the row lie
+    PSTRIDE positions apart (P, or P x ranks for an interleaved shard)."""
+    if PSTRIDE != P:
+        local = local + (local // P) * (PSTRIDE - P)
+    return local - qoff
+
+
+def pos_args(cache) -> dict:
+    """The position table of ``cache`` as launch arguments: pos_ptr (int32
+    [rows, 2], or an unread stand-in), HAS_POS and PSTRIDE."""
+    pos = getattr(cache, "positions", None)
+    if pos is None:
+        return dict(pos_ptr=cache.seq_lens, HAS_POS=False, PSTRIDE=cache.page_size)
+    stride = getattr(cache, "pos_stride", None) or cache.page_size
+    return dict(pos_ptr=pos, HAS_POS=True, PSTRIDE=int(stride))
+
+
+def no_positions(cache, what: str) -> None:
+    """Refuse a shard with a position table in a launcher whose kernels read
+    local positions (only the scoring and attention kernels take one)."""
+    if getattr(cache, "positions", None) is not None:
+        raise ValueError(f"cache: {what} does not take a position table (a context-parallel shard); "
+                         "entmaxkv.distributed selects pages itself")
+
+
+@triton.jit
 def entmax_pows(u, beta, BETA_KIND: tl.constexpr):
     """(u^beta, u^(beta-1)) for u >= 0, exact zeros where u == 0."""
     on = u > 0

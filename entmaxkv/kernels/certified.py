@@ -30,7 +30,7 @@ import triton.language as tl
 from ..types import TopK
 from ..types import Selection
 from .config import resolve
-from ._common import ATOMIC_SEM, alloc, launch_opts, next_pow2, pdl_start
+from ._common import ATOMIC_SEM, alloc, launch_opts, next_pow2, no_positions, pdl_start
 from .attention import selection_tau
 from .scoring import bounds_with_slack, prep_query
 from .topk import select_topk
@@ -202,6 +202,7 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     cfg = resolve(config)
     if alpha <= 1.0:
         raise ValueError("policy: certified needs entmax (alpha > 1)")
+    no_positions(cache, "the certified selection")
     q = prep_query(q)
     B, HQ, D = q.shape
     H = cache.kv_heads

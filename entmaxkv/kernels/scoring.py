@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .config import resolve
-from ._common import alloc, as_slopes, dot_flags, interpreting, next_pow2
+from ._common import alloc, as_slopes, dot_flags, interpreting, next_pow2, pos_args, query_offset, rel_pos
 
 # ---------------------------------------------------------------------------
 # heuristics
@@ -109,14 +109,16 @@ def page_rows(bt_ptr, seq, n, o_m, M, P: tl.constexpr):
 
 
 @triton.jit
-def page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m, pos_q, kvh, scale,
+def page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, rel0, qpos, kvh, scale,
                 stride_mp, stride_mh,
                 P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
                 WITH_SLACK: tl.constexpr = False):
     """Quest bounds u [BLOCK_G, BLOCK_M] (float32, -inf on invalid pages) and,
     with WITH_SLACK, the reference's rounding allowance (``bound_slack``;
-    zeros otherwise): 4 (D + 4) eps (scale |q|.max(|kmin|, |kmax|) + |slope| n)."""
+    zeros otherwise): 4 (D + 4) eps (scale |q|.max(|kmin|, |kmax|) + |slope| (qpos + 2)).
+    rel0 [BLOCK_M]: each page's first token's position relative to the query
+    (``rel_pos``); qpos: the query's position."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     o_p = phys * stride_mp + kvh * stride_mh
@@ -131,15 +133,15 @@ def page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m, pos_q, kvh
     b_u = _gdot(b_qp, b_kmax, USE_DOT, DOT_F32, PREC) + _gdot(b_qn, b_kmin, USE_DOT, DOT_F32, PREC)
     b_u = b_u * scale
     if HAS_ALIBI:
-        rel_first = (o_m * P - pos_q).to(tl.float32)
-        rel_last = (o_m * P + n_tok - 1 - pos_q).to(tl.float32)
+        rel_first = rel0.to(tl.float32)
+        rel_last = (rel0 + n_tok - 1).to(tl.float32)
         b_u += tl.maximum(b_sl[:, None] * rel_first[None, :], b_sl[:, None] * rel_last[None, :])
     b_u = tl.where(m_v[None, :], b_u, float("-inf"))
     if WITH_SLACK:
         b_kabs = tl.maximum(tl.abs(b_kmax.to(tl.float32)), tl.abs(b_kmin.to(tl.float32))).to(b_kmax.dtype)
         b_mag = _gdot(tl.abs(b_q), b_kabs, USE_DOT, DOT_F32, PREC) * scale
         if HAS_ALIBI:
-            b_mag += tl.abs(b_sl)[:, None] * (pos_q + 2).to(tl.float32)
+            b_mag += tl.abs(b_sl)[:, None] * (qpos + 2).to(tl.float32)
         b_slack = (4.0 * (D + 4) * 1.1920928955078125e-07) * b_mag
     else:
         b_slack = tl.zeros_like(b_u)
@@ -162,18 +164,19 @@ def load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh,
 
 
 @triton.jit
-def gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, pos_q, scale,
-             P: tl.constexpr, HAS_ALIBI: tl.constexpr,
+def gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, rel0, scale,
+             HAS_ALIBI: tl.constexpr,
              USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """(mu, sigma) [BLOCK_G, BLOCK_M] float32 of the page score model from
-    loaded moments (``load_moments``; 0 on invalid pages)."""
+    loaded moments (``load_moments``; 0 on invalid pages); rel0 as for
+    ``page_bounds``."""
     b_mu = _gdot(b_q, b_mean, USE_DOT, DOT_F32, PREC) * scale
     b_qf = b_q.to(tl.float32)
     b_sf = b_std.to(tl.float32)
     b_var = _gdot_f32(b_qf * b_qf, b_sf * b_sf, b_mean.dtype, USE_DOT, DOT_F32, PREC) * (scale * scale)
     if HAS_ALIBI:
         nf = n_tok.to(tl.float32)
-        mean_pos = (o_m * P - pos_q).to(tl.float32) + (nf - 1.0) * 0.5
+        mean_pos = rel0.to(tl.float32) + (nf - 1.0) * 0.5
         b_mu += b_sl[:, None] * mean_pos[None, :]
         b_var += (b_sl * b_sl)[:, None] * (tl.maximum(nf * nf - 1.0, 0.0) / 12.0)[None, :]
     b_mu = tl.where(m_v[None, :], b_mu, 0.0)
@@ -182,9 +185,9 @@ def gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, pos_q, scale,
 
 
 @triton.jit
-def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, pos_q, kvh, scale,
+def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, rel0, kvh, scale,
                stride_mp, stride_mh,
-               P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ALIBI: tl.constexpr,
                USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """(mu, sigma) [BLOCK_G, BLOCK_M] float32 of the page score model (0 on invalid pages)."""
     # k_std converted where it is loaded, as before the load / math split:
@@ -193,8 +196,8 @@ def page_gauss(b_q, b_sl, kmean_ptr, kstd_ptr, phys, m_v, n_tok, o_m, pos_q, kvh
     # PTX (experiments/logs/experiments.log); the prefetching stats loop keeps the
     # storage dtype in flight instead
     b_mean, b_std = load_moments(kmean_ptr, kstd_ptr, phys, m_v, kvh, stride_mp, stride_mh, D, BLOCK_D, True)
-    return gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, pos_q, scale,
-                    P, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+    return gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, rel0, scale,
+                    HAS_ALIBI, USE_DOT, DOT_F32, PREC)
 
 
 @triton.jit
@@ -238,7 +241,7 @@ def load_queries(q_ptr, slopes_ptr, i_b, h0, stride_qb, stride_qh,
 
 @triton.jit
 def _score_pages_kernel(
-    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, ka_ptr, kb_ptr,
+    q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, ka_ptr, kb_ptr, pos_ptr,
     o1_ptr, o2_ptr, on_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh,
     HQ, G, M,
@@ -246,24 +249,27 @@ def _score_pages_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     GAUSS: tl.constexpr, HAS_ALIBI: tl.constexpr, SLACK: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    HAS_POS: tl.constexpr, PSTRIDE: tl.constexpr,
 ):
     i_m = tl.program_id(1)
     i_b, kvh, h0, seq, n, b_q, b_sl = kv_row(q_ptr, slopes_ptr, ids_ptr, lens_ptr, tl.program_id(0),
                                              stride_qb, stride_qh, G, H, D, BLOCK_G, BLOCK_D, HAS_ALIBI)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     phys, m_v, n_tok = page_rows(bt_ptr, seq, n, o_m, M, P)
+    qoff, qpos = query_offset(n, pos_ptr, seq, HAS_POS)
+    rel0 = rel_pos(o_m * P, qoff, P, PSTRIDE)
     o_g = tl.arange(0, BLOCK_G)
     o_out = ((i_b * HQ + h0 + o_g).to(tl.int64) * M)[:, None] + o_m[None, :]
     m_out = (o_g < G)[:, None] & (o_m < M)[None, :]
     if GAUSS:
-        b_mu, b_sig = page_gauss(b_q, b_sl, ka_ptr, kb_ptr, phys, m_v, n_tok, o_m, n - 1, kvh, scale,
-                                 stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+        b_mu, b_sig = page_gauss(b_q, b_sl, ka_ptr, kb_ptr, phys, m_v, n_tok, rel0, kvh, scale,
+                                 stride_mp, stride_mh, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
         tl.store(o1_ptr + o_out, b_mu, mask=m_out)
         tl.store(o2_ptr + o_out, b_sig, mask=m_out)
         if kvh == 0:
             tl.store(on_ptr + i_b.to(tl.int64) * M + o_m, n_tok.to(tl.float32), mask=o_m < M)
     else:
-        b_u, b_slack = page_bounds(b_q, b_sl, ka_ptr, kb_ptr, phys, m_v, n_tok, o_m, n - 1, kvh, scale,
+        b_u, b_slack = page_bounds(b_q, b_sl, ka_ptr, kb_ptr, phys, m_v, n_tok, rel0, qpos, kvh, scale,
                                    stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI, USE_DOT, DOT_F32, PREC,
                                    SLACK)
         tl.store(o1_ptr + o_out, b_u + b_slack, mask=m_out)
@@ -316,15 +322,16 @@ def _score(q, cache, seq_ids, scale, slopes, gauss: bool, slack: bool = False, w
     on = mem.empty((B, M), torch.float32, dev) if gauss else o1
     ka, kb = (cache.k_mean, cache.k_std) if gauss else (cache.k_min, cache.k_max)
     grid = (B * H, triton.cdiv(M, cfg["BLOCK_M"]))
+    pos = pos_args(cache)
     _score_pages_kernel[grid](
-        q, sl, ids, cache.seq_lens, cache.block_table, ka, kb,
+        q, sl, ids, cache.seq_lens, cache.block_table, ka, kb, pos["pos_ptr"],
         o1, o2, on,
         float(scale), q.stride(0), q.stride(1), smp, smh,
         HQ, G, M,
         H=H, P=P, D=D, BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
         GAUSS=gauss, HAS_ALIBI=slopes is not None, SLACK=slack,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=4,
+        HAS_POS=pos["HAS_POS"], PSTRIDE=pos["PSTRIDE"], num_warps=4,
     )
     return o1, o2, on
 
@@ -373,6 +380,7 @@ def gaussian_stats(
     scale: float,
     slopes: Optional[torch.Tensor] = None,
     config=None,
+    ws=None,
 ):
     """Per-page Gaussian model of a token's score (Triton twin of the reference).
 
@@ -382,4 +390,4 @@ def gaussian_stats(
         n_tok: float32 [batch, M], valid tokens per page.
     """
     resolve(config)  # (no launch choices, as in quest_bounds)
-    return _score(q, cache, seq_ids, scale, slopes, gauss=True)
+    return _score(q, cache, seq_ids, scale, slopes, gauss=True, ws=ws)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._common import entmax_pows, grid_ids, pdl_start, poll_start, publish
+from .._common import entmax_pows, grid_ids, pdl_start, poll_start, publish, query_offset, rel_pos
 
 
 # ---------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def _attn_split_softmax_kernel(
     DENSE: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
     LOOP_STAGES: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, ROWS_FIRST: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, pos_ptr, HAS_POS: tl.constexpr, PSTRIDE: tl.constexpr,
 ):
     """Softmax pass 1 for one (batch row, selection head, split): an online
     softmax over a share of the kept tokens, reading K and V; writes the
@@ -132,7 +132,10 @@ def _attn_split_softmax_kernel(
     i_b, h0, kvh, n, t_lo, t_hi, p_bt, p_pages = _split_share(
         i_r, i_s, ids_ptr, lens_ptr, counts_ptr, bt_ptr, pages_ptr, stride_bt, stride_pb, stride_ph, stride_cb,
         G, W, S, NG, NSPLIT, 0, P, DENSE)
-    pos_q = n - 1
+    if HAS_POS:  # a shard of a longer sequence: global positions (ALiBi)
+        qoff, _ = query_offset(n, pos_ptr, tl.load(ids_ptr + i_b).to(tl.int64), HAS_POS)
+    else:
+        qoff = n - 1
 
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < NG
@@ -163,7 +166,7 @@ def _attn_split_softmax_kernel(
             i_row, pos, m_tok, phys = _tile_pages(t0, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
         o_k = phys * stride_kp + kvh * stride_kh + i_row * stride_kr
         b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
-        rel = (pos - pos_q).to(tl.float32)
+        rel = rel_pos(pos, qoff, P, PSTRIDE).to(tl.float32)
         if PREFETCH:  # the next tile's pages, while this tile's K is in flight
             i_row_nx, pos_nx, m_tok_nx, phys_nx = _tile_pages(t0 + BLOCK_T, o_tt, t_hi, n, p_pages, p_bt,
                                                               P, DENSE)
@@ -366,7 +369,7 @@ def _attn_split_entmax_kernel(
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, LB_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
     LOOP_STAGES: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, ROWS_FIRST: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, pos_ptr, HAS_POS: tl.constexpr, PSTRIDE: tl.constexpr,
 ):
     """Entmax pass 1 for one (batch row, selection head, split): the scores s
     of a share of the kept tokens, reading K only, and the candidates
@@ -416,7 +419,10 @@ def _attn_split_entmax_kernel(
     i_b, h0, kvh, n, t_lo, t_hi, p_bt, p_pages = _split_share(
         i_r, i_s, ids_ptr, lens_ptr, counts_ptr, bt_ptr, pages_ptr, stride_bt, stride_pb, stride_ph, stride_cb,
         G, W, S, NG, NSPLIT, MIN_PER, P, DENSE)
-    pos_q = n - 1
+    if HAS_POS:  # a shard of a longer sequence: global positions (ALiBi)
+        qoff, _ = query_offset(n, pos_ptr, tl.load(ids_ptr + i_b).to(tl.int64), HAS_POS)
+    else:
+        qoff = n - 1
 
     o_g = tl.arange(0, BLOCK_G)
     m_g = o_g < NG
@@ -457,7 +463,7 @@ def _attn_split_entmax_kernel(
             i_row, pos, m_tok, phys = _tile_pages(t0, o_tt, t_hi, n, p_pages, p_bt, P, DENSE)
         o_k = phys * stride_kp + kvh * stride_kh + i_row * stride_kr
         b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_tok[:, None] & m_d[None, :], other=0.0)
-        rel = (pos - pos_q).to(tl.float32)
+        rel = rel_pos(pos, qoff, P, PSTRIDE).to(tl.float32)
         if PREFETCH:  # the next tile's pages, while this tile's K is in flight
             i_row_nx, pos_nx, m_tok_nx, phys_nx = _tile_pages(t0 + BLOCK_T, o_tt, t_hi, n, p_pages, p_bt,
                                                               P, DENSE)

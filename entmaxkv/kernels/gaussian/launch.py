@@ -5,7 +5,7 @@ import torch
 
 from ...types import Selection
 from ..config import resolve
-from .._common import alloc, as_slopes, cdiv, launch_opts, next_pow2, num_sms
+from .._common import alloc, as_slopes, cdiv, no_positions, launch_opts, next_pow2, num_sms
 from ..scoring import meta_strides, prep_query
 from .plan import _beta_kind3, gauss_plan, z_table
 from .solve import _gauss_iter_kernel, _gauss_select_kernel
@@ -30,6 +30,7 @@ def select_gaussian(policy, q, cache, seq_ids, *, alpha: float, scale: float, sl
     """
     if alpha <= 1.0:
         raise ValueError("policy: gaussian needs entmax (alpha > 1)")
+    no_positions(cache, "the Gaussian selection")
     bk = _beta_kind3(alpha)
     if bk == 0:
         from ... import policies as _ref

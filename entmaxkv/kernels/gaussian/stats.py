@@ -72,8 +72,8 @@ def _gauss_stats_kernel(
         else:
             m_v, n_tok, b_mean, b_std = _stats_pages(bt_ptr, kmean_ptr, kstd_ptr, seq, n, o_m, kvh,
                                                      stride_mp, stride_mh, M, True, P, D, BLOCK_D, PREFETCH)
-        b_mu, b_sig = gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m, n - 1, scale,
-                               P, HAS_ALIBI, USE_DOT, DOT_F32, PREC)
+        b_mu, b_sig = gauss_of(b_q, b_sl, b_mean, b_std, m_v, n_tok, o_m * P - (n - 1), scale,
+                               HAS_ALIBI, USE_DOT, DOT_F32, PREC)
         o_out = o_row[:, None] * M + o_m[None, :]
         tl.store(mu_ptr + o_out, b_mu, mask=m_g[:, None] & (o_m < M)[None, :])
         tl.store(sg_ptr + o_out, b_sig, mask=m_g[:, None] & (o_m < M)[None, :])

@@ -71,7 +71,7 @@ def _topk_chunk_kernel(
             # metadata is used, so the two dependent loads overlap
             o_m_nx = o_m + BLOCK_M
             phys_nx, m_v_nx, n_tok_nx = page_rows(bt_ptr, seq, n, o_m_nx, M, P)
-            b_u, b_slack = page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m, n - 1, kvh,
+            b_u, b_slack = page_bounds(b_q, b_sl, kmin_ptr, kmax_ptr, phys, m_v, n_tok, o_m * P - (n - 1), n - 1, kvh,
                                        scale, stride_mp, stride_mh, P, D, BLOCK_D, HAS_ALIBI,
                                        USE_DOT, DOT_F32, PREC, WRITE_UB)
             if WRITE_UB:  # the certified policy's safe bound: u + rounding slack

@@ -7,7 +7,7 @@ import torch
 
 from ...types import Pending, Selection
 from ..config import TopKConfig, resolve
-from .._common import alloc, as_slopes, cdiv, launch_count, launch_opts, next_pow2, num_sms
+from .._common import alloc, as_slopes, cdiv, no_positions, launch_count, launch_opts, next_pow2, num_sms
 from ..scoring import meta_strides, prep_query
 from .chain import _topk_chunk_kernel, _topk_lb_kernel, _topk_merge_kernel
 from .keys import _topk_gmax_kernel, _topk_keys_kernel
@@ -131,6 +131,7 @@ def select_topk(
         W = min(M, max(budget // P, 1 + sinks + window)); pages unsorted;
         through _topk_rowsel_kernel also ``pending`` (types.Pending).
     """
+    no_positions(cache, "the top-k selection")
     q = prep_query(q)
     B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
