@@ -59,6 +59,20 @@ class Backend(Protocol):
     def kept_fraction(self, sel: Selection, cache, seq_ids: torch.Tensor, *, ws=None) -> torch.Tensor:
         """float32 [1]: kept pages over valid pages, over the batch and selection heads."""
 
+    def gaussian_stats(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float,
+                       slopes: Optional[torch.Tensor] = None, ws=None):
+        """(mu, sigma) float32 [B, HQ, max_pages] and valid tokens float32 [B, max_pages] of every page."""
+
+    def safe_bounds(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float,
+                    slopes: Optional[torch.Tensor] = None, ws=None) -> torch.Tensor:
+        """Quest bounds plus their rounding slack, float32 [B, HQ, max_pages]: what the certificate compares."""
+
+    def candidates(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, sel: Optional[Selection], *,
+                   alpha: float, scale: float, slopes: Optional[torch.Tensor] = None, ws=None):
+        """Entmax: (scores [B*HQ, C] (-inf padding), token ids int64 [B*HQ, C], lower [B*HQ]): every
+        kept token that can be in the support; the others score below ``lower`` (score units), which
+        is at most the kept tokens' threshold. ``sel`` None: every page."""
+
 
 def _into(out: Optional[torch.Tensor], res: Tuple[torch.Tensor, torch.Tensor]):
     """(out, tau) with the result copied into ``out`` when one is given."""
@@ -96,6 +110,28 @@ class ReferenceBackend:
 
     def kept_fraction(self, sel, cache, seq_ids, *, ws=None):
         return attention.kept_fraction(sel, cache.seq_lens.index_select(0, seq_ids.long()), cache.page_size)
+
+    def gaussian_stats(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
+        return scoring.gaussian_stats(q, cache, seq_ids, scale=scale, slopes=slopes)
+
+    def safe_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
+        lay = scoring.page_layout(cache, seq_ids)
+        ub = scoring.quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+        return ub + scoring.bound_slack(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+
+    def candidates(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, ws=None):
+        # the reference lists every kept token
+        lay = scoring.page_layout(cache, seq_ids)
+        if sel is None:
+            sel = policies.select(Full(), q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes, layout=lay)
+        s, _ = attention.selected_scores(q, cache, seq_ids, sel, scale=scale, slopes=slopes, layout=lay)
+        B, HQ, _ = q.shape
+        P = cache.page_size
+        phys, _, _ = attention.selected_tokens(cache, sel, lay)  # [B, S, W]
+        tokens = (phys[..., None] * P + torch.arange(P, device=phys.device)).reshape(B, sel.sel_heads, -1)
+        tokens = tokens.repeat_interleave(HQ // sel.sel_heads, dim=1)
+        lower = torch.full((B * HQ,), float("-inf"), dtype=s.dtype, device=s.device)
+        return s.reshape(B * HQ, -1), tokens.reshape(B * HQ, -1), lower
 
 
 REFERENCE = ReferenceBackend()

@@ -438,8 +438,27 @@ def truncated_power_moment(mu: torch.Tensor, sigma: torch.Tensor, beta: float) -
 # --------------------------------------------------------------------------
 
 
+class PageSums:
+    """Reductions over the page axis (the last dim) of the pages this
+    process holds. ``entmaxkv.distributed`` passes one that also reduces
+    across the ranks holding the other pages of the same rows, so that the
+    same solver gives the tau_hat of the whole sequence."""
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1)
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return x.amax(-1)
+
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(x, -1)
+
+
+LOCAL = PageSums()
+
+
 def pooled_moments(
-    mu: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor
+    mu: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor, pages: PageSums = LOCAL,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The single Gaussian that matches the mean and variance of the page mixture.
 
@@ -455,6 +474,7 @@ def pooled_moments(
     Args:
         mu, sigma, weights: float tensors [..., M] (broadcastable); weight 0
             marks an absent page.
+        pages: how the page axis is reduced (``PageSums``; default: locally).
 
     Returns:
         (mu_g, sigma_g, n), each [...] in float32 (float64 for float64 input).
@@ -464,17 +484,17 @@ def pooled_moments(
     mu, sigma, w = (torch.as_tensor(a) for a in (mu, sigma, weights))
     dtype = _float_dtype(mu, sigma, w)
     mu, sigma, w = torch.broadcast_tensors(mu.to(dtype), sigma.to(dtype), w.to(dtype))
-    n = w.sum(-1)
-    n_safe = torch.where(n > 0, n, torch.ones_like(n))
     zero = torch.zeros_like(mu)
     # where() rather than w * mu: an absent page may carry garbage (even inf).
-    mu_g = torch.where(w > 0, w * mu, zero).sum(-1) / n_safe
+    n, wmu = pages.sum(torch.stack((w, torch.where(w > 0, w * mu, zero))))
+    n_safe = torch.where(n > 0, n, torch.ones_like(n))
+    mu_g = wmu / n_safe
     dev = mu - mu_g.unsqueeze(-1)
-    var = torch.where(w > 0, w * (sigma * sigma + dev * dev), zero).sum(-1) / n_safe
+    var = pages.sum(torch.where(w > 0, w * (sigma * sigma + dev * dev), zero)) / n_safe
     return mu_g, var.sqrt(), n
 
 
-def _entmax_sums(v, s, w, a: float, exps):
+def _entmax_sums(v, s, w, a: float, exps, pages: PageSums = LOCAL):
     """S_j = sum_p w_p E[(1 + a (v_p + s_p Z))_+^(beta - j)] along the last dim, one per exponent.
 
     Y = 1 + a (v + s Z) is formed in score units: its log is log1p(a v) at
@@ -484,10 +504,10 @@ def _entmax_sums(v, s, w, a: float, exps):
     m = 1.0 + a * v
     log_m = torch.log1p(torch.where(m > 0, a * v, torch.zeros_like(v)))
     e = _moments(m, a * s, exps, log_m)
-    return [(w * x).sum(-1) for x in e]
+    return list(pages.sum(torch.stack([w * x for x in e])))
 
 
-def _lambda_bracket(mu, sigma, w, present, a: float):
+def _lambda_bracket(mu, sigma, w, present, a: float, pages: PageSums = LOCAL):
     """[lo, hi] around the root in lambda (tau = a lambda - 1), scores shifted to max 0.
 
     lo: page p alone has mass >= 1 there (see solve_tau_hat). hi: the smaller
@@ -499,21 +519,21 @@ def _lambda_bracket(mu, sigma, w, present, a: float):
     ninf = torch.full_like(mu, float("-inf"))
     w_safe = torch.where(present, w, torch.ones_like(w))
     # (2 / w)^a = 1 + a (mu_p - lo_p): expm1 keeps it exact for tiny a
-    lo = torch.where(present, mu - torch.expm1(a * torch.log(2.0 / w_safe)) / a, ninf).amax(-1)
+    lo = pages.max(torch.where(present, mu - torch.expm1(a * torch.log(2.0 / w_safe)) / a, ninf))
     # Gaussian tail: J_beta(-k) <= phi(k) 2^((beta-1)/2) Gamma((beta+1)/2), in logs
     log_c = 0.5 * (beta - 1.0) * math.log(2.0) + math.lgamma(0.5 * (beta + 1.0)) + math.log(_INV_SQRT_2PI)
     s = a * sigma
     log_terms = torch.where(present & (s > 0), torch.log(w_safe) + beta * torch.log(s.clamp_min(1e-300)), ninf)
-    log_spread = torch.logsumexp(log_terms, -1) + log_c
+    log_spread = pages.logsumexp(log_terms) + log_c
     k = (2.0 * log_spread.clamp_min(0.0)).sqrt()
     k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
-    hi_tail = torch.where(present, mu + k.unsqueeze(-1) * sigma, ninf).amax(-1) + beta
-    hi_soft = torch.logsumexp(torch.where(present, torch.log(w_safe) + mu + 0.5 * sigma * sigma, ninf), -1)
+    hi_tail = pages.max(torch.where(present, mu + k.unsqueeze(-1) * sigma, ninf)) + beta
+    hi_soft = pages.logsumexp(torch.where(present, torch.log(w_safe) + mu + 0.5 * sigma * sigma, ninf))
     hi = torch.minimum(hi_tail, hi_soft)
     return torch.minimum(lo, hi), hi
 
 
-def _solve_lambda(mu, sigma, w, present, alpha: float, start, lo, hi, iters: int):
+def _solve_lambda(mu, sigma, w, present, alpha: float, start, lo, hi, iters: int, pages: PageSums = LOCAL):
     """Safeguarded Halley (Newton for alpha >= 2) on g(lambda) = log S0(lambda), fixed steps.
 
     S0 = F + 1 = sum_p w_p E[Y_p+^beta], Y_p = 1 + a (mu_p - lambda + sigma_p Z):
@@ -535,7 +555,7 @@ def _solve_lambda(mu, sigma, w, present, alpha: float, start, lo, hi, iters: int
     step2 = hi - lo
     step1 = hi - lo
     for _ in range(iters):
-        sums = _entmax_sums(mu - lam.unsqueeze(-1), sigma, w, a, exps)
+        sums = _entmax_sums(mu - lam.unsqueeze(-1), sigma, w, a, exps, pages)
         s0, s1 = sums[0], sums[1]
         above = s0 > 1.0  # F > 0: the root lies to the right
         lo = torch.where(above, lam, lo)
@@ -567,6 +587,7 @@ def solve_tau_hat(
     weights: torch.Tensor,
     alpha: float,
     iters: int = TAU_HAT_ITERS,
+    pages: PageSums = LOCAL,
 ) -> torch.Tensor:
     """Estimate the entmax threshold from per-page Gaussian score models (docs/spec.md, Eq. 18).
 
@@ -606,6 +627,8 @@ def solve_tau_hat(
             expected partition function).
         iters: number of Halley steps on the page mixture (fixed: no
             data-dependent stopping).
+        pages: how sums and maxima over the page axis are taken
+            (``PageSums``; default: over the pages given, in this process).
 
     Returns:
         tau_hat [...]: float32 (float64 if any input is float64); +inf on rows
@@ -616,7 +639,7 @@ def solve_tau_hat(
     dtype = _float_dtype(mu, sigma, w)
     mu, sigma, w = torch.broadcast_tensors(mu.to(dtype), sigma.to(dtype), w.to(dtype))
     present = w > 0
-    none = ~present.any(-1)
+    none = pages.max(present.to(dtype)) <= 0
     inf = torch.full(mu.shape[:-1], float("inf"), dtype=dtype, device=mu.device)
     # Absent pages get neutral, finite stand-ins so that no inf/NaN enters sums.
     mu = torch.where(present, mu, torch.zeros_like(mu))
@@ -627,19 +650,19 @@ def solve_tau_hat(
         logw = torch.where(present, w, torch.ones_like(w)).log()
         terms = logw + mu + 0.5 * sigma * sigma
         terms = torch.where(present, terms, torch.full_like(mu, float("-inf")))
-        return torch.where(none, inf, torch.logsumexp(terms, dim=-1))
+        return torch.where(none, inf, pages.logsumexp(terms))
 
     a = alpha - 1.0
     # shift by the row max so that lambda - c is O(log n + k sigma)
-    c = torch.where(present, mu, torch.full_like(mu, float("-inf"))).amax(-1)
+    c = pages.max(torch.where(present, mu, torch.full_like(mu, float("-inf"))))
     c = torch.where(none, torch.zeros_like(c), c)
     mu = torch.where(present, mu - c.unsqueeze(-1), torch.zeros_like(mu))
-    lo, hi = _lambda_bracket(mu, sigma, w, present, a)
+    lo, hi = _lambda_bracket(mu, sigma, w, present, a, pages)
     lo = torch.where(none, torch.full_like(lo, -1.0), lo)
     hi = torch.where(none, torch.zeros_like(hi), hi)
 
     # pooled start: one Gaussian, its own bracket and left end
-    mu_g, sigma_g, n_g = (x.unsqueeze(-1) for x in pooled_moments(mu, sigma, w))
+    mu_g, sigma_g, n_g = (x.unsqueeze(-1) for x in pooled_moments(mu, sigma, w, pages))
     p_g = n_g > 0
     lo_g, hi_g = _lambda_bracket(mu_g, sigma_g, n_g, p_g, a)
     lo_g = torch.where(none, lo, lo_g)
@@ -647,6 +670,6 @@ def solve_tau_hat(
     start = _solve_lambda(mu_g, sigma_g, torch.where(p_g, n_g, torch.ones_like(n_g)), p_g, alpha,
                           lo_g, lo_g, hi_g, POOLED_START_ITERS)
     start = torch.where(torch.isfinite(start), start, lo)
-    lam = _solve_lambda(mu, sigma, w, present, alpha, start, lo, hi, iters)
+    lam = _solve_lambda(mu, sigma, w, present, alpha, start, lo, hi, iters, pages)
     # tau = a (lambda + c) - 1
     return torch.where(none, inf, a * (lam + c) - 1.0)

@@ -1,10 +1,10 @@
 """TritonBackend: the kernels under the stage contract of ``entmaxkv.backend.Backend``."""
 from __future__ import annotations
 
-from .attention import attend, dense_attend
+from .attention import attend, candidates, dense_attend
 from .certified import certify, kept_fraction
 from .config import resolve
-from .scoring import quest_bounds
+from .scoring import bounds_with_slack, gaussian_stats, quest_bounds
 from .select import select
 from .write import write_kv
 
@@ -42,3 +42,13 @@ class TritonBackend:
 
     def kept_fraction(self, sel, cache, seq_ids, *, ws=None):
         return kept_fraction(sel, cache.seq_lens, seq_ids, cache.page_size, ws=ws)
+
+    def gaussian_stats(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
+        return gaussian_stats(q, cache, seq_ids, scale=scale, slopes=slopes, config=self.config, ws=ws)
+
+    def safe_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
+        return bounds_with_slack(q, cache, seq_ids, scale=scale, slopes=slopes, ws=ws)
+
+    def candidates(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, ws=None):
+        return candidates(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes, config=self.config,
+                          ws=ws)

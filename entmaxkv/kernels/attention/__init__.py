@@ -39,6 +39,6 @@ Entmax usually replaces 2-4 with one launch, finish.py's
 compacted into the head's own candidate lists and its V rows gathered, the
 output written directly (AttentionConfig.finish* say when).
 """
-from .launch import attend, dense_attend, selection_tau
+from .launch import attend, candidates, dense_attend, selection_tau
 
-__all__ = ["attend", "dense_attend", "selection_tau"]
+__all__ = ["attend", "candidates", "dense_attend", "selection_tau"]

@@ -9,7 +9,7 @@ import torch
 
 from ...types import Selection
 from ..config import KernelConfig, resolve
-from .._common import (alloc, as_slopes, beta_kind, cdiv, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
+from .._common import (alloc, as_slopes, beta_kind, cdiv, pos_args, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
                        launch_count, launch_opts, next_pow2, split_f32)
 from .combine import _attn_combine_kernel
 from .finish import _attn_finish_kernel, _attn_vacc_kernel
@@ -31,7 +31,7 @@ def _check_inputs(q: torch.Tensor, cache) -> None:
 def _run(
     q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
     alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None, config: KernelConfig,
-    ws=None, out=None,
+    ws=None, out=None, want_candidates: bool = False,
 ):
     """Launch the split pass and the finishing kernels; returns (out or None, tau).
     ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
@@ -105,6 +105,7 @@ def _run(
     done = ready[1] if poll == 2 else tau
 
     rows_first = bool(poll) and c.poll_rows_first and B * S < 65536  # (a grid's y extent)
+    pos = pos_args(cache)  # (the split passes compute the positions)
     grid = (NSPLIT, B * S) if rows_first else (B * S, NSPLIT)
     if softmax:
         _attn_split_softmax_kernel[grid](
@@ -120,7 +121,7 @@ def _run(
             DENSE=dense, HAS_ALIBI=slopes is not None,
             USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
             LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=c.poll_polls, ROWS_FIRST=rows_first,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pos, **opts,
         )
     else:
         _attn_split_entmax_kernel[grid](
@@ -137,8 +138,10 @@ def _run(
             BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
             USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
             LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=c.poll_polls, ROWS_FIRST=rows_first,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **opts,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pos, **opts,
         )
+    if want_candidates:  # the split pass's lists only (entmaxkv.distributed solves tau across ranks)
+        return cx.view(R, NSPLIT, CAP), ci.view(R, NSPLIT, CAP), cn, clb
     if not softmax:
         # (FORM 1 starts at r = 0: a warm start in tau's units lost r's digits)
         has_init = tau_init is not None and form != 1
@@ -299,6 +302,38 @@ def dense_attend(
     M = cache.block_table.shape[1]
     return _run(q, cache, seq_ids, None, None, cache.kv_heads, M, True,
                 alpha=alpha, scale=scale, slopes=slopes, tau_init=None, config=resolve(config), ws=ws, out=out)
+
+
+def candidates(q, cache, seq_ids, sel: Optional[Selection], *, alpha: float, scale: float, slopes=None,
+               config=None, ws=None):
+    """The entmax split pass alone: every kept token that can be in the
+    support, per query head (alpha > 1).
+
+    Returns (scores float32 [B * HQ, C] in score units, -inf on padding;
+    token ids int64 [B * HQ, C], physical page * P + row; lower float32
+    [B * HQ]): every kept token left out of the lists has a score below
+    ``lower``, which is at most the threshold over the kept tokens (in
+    score units, tau / (alpha - 1)). ``sel`` None: every page (Full).
+    Views of scratch (``ws``): valid until its next step.
+    """
+    if kernel_alpha(alpha) == 1.0:
+        raise ValueError("alpha: candidates are for entmax (alpha > 1)")
+    B, HQ, _ = q.shape
+    if sel is None:
+        cx, ci, cn, clb = _run(q, cache, seq_ids, None, None, cache.kv_heads, cache.block_table.shape[1], True,
+                               alpha=alpha, scale=scale, slopes=slopes, tau_init=None, config=resolve(config),
+                               ws=ws, want_candidates=True)
+    else:
+        S, W = sel.pages.shape[1], sel.pages.shape[2]
+        cx, ci, cn, clb = _run(q, cache, seq_ids, sel.pages.to(torch.int32).contiguous(),
+                               sel.counts.to(torch.int32).contiguous(), S, max(W, 1), False, alpha=alpha,
+                               scale=scale, slopes=slopes, tau_init=None, config=resolve(config), ws=ws,
+                               want_candidates=True)
+    R, NS, CAP = cx.shape
+    listed = torch.arange(CAP, device=cx.device)[None, None, :] < cn[:, :, None]
+    scores = torch.where(listed, cx, float("-inf")).view(R, NS * CAP)
+    tokens = torch.where(listed, ci, 0).to(torch.int64).view(R, NS * CAP)
+    return scores, tokens, clb.amax(dim=1)
 
 
 def selection_tau(q, cache, seq_ids, sel: Selection, *, alpha: float, scale: float,
