@@ -114,6 +114,23 @@ def _check_kernel_config(config) -> None:
         )
 
 
+def check_call(q, cache, policy, alpha, scale, alibi_slopes, return_stats, backend, check_finite, kernel_config):
+    """The checks every decode entry point makes (``cache``: anything with
+    the cache's shape attributes and ``max_pages_per_seq``). Returns
+    (policy, alpha, scale, float32 slopes or None, return_stats), all
+    resolved; raises ValueError naming the argument otherwise."""
+    if check_finite is not None:
+        check_finite = as_bool(check_finite, "check_finite")
+    return_stats = as_bool(return_stats, "return_stats")
+    as_choice(backend, "backend", BACKENDS)
+    _check_kernel_config(kernel_config)
+    _check_query(q, cache, check_finite)
+    alpha, scale = _check_scalars(alpha, scale, q.shape[2])
+    policy = Full() if policy is None else policy
+    check_policy(policy, alpha=alpha, page_size=cache.page_size)
+    return policy, alpha, scale, _check_slopes(alibi_slopes, q.shape[1], cache), return_stats
+
+
 def decode(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -175,17 +192,9 @@ def decode(
     """
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache: expected a PagedKVCache, got {describe(cache)}")
-    if check_finite is not None:
-        check_finite = as_bool(check_finite, "check_finite")
-    return_stats = as_bool(return_stats, "return_stats")
-    as_choice(backend, "backend", BACKENDS)
-    _check_kernel_config(kernel_config)
-    _check_query(q, cache, check_finite)
+    policy, alpha, scale, slopes, return_stats = check_call(q, cache, policy, alpha, scale, alibi_slopes,
+                                                            return_stats, backend, check_finite, kernel_config)
     B, HQ, D = q.shape
-    alpha, scale = _check_scalars(alpha, scale, D)
-    policy = Full() if policy is None else policy
-    check_policy(policy, alpha=alpha, page_size=cache.page_size)
-    slopes = _check_slopes(alibi_slopes, HQ, cache)
     if out is not None and (
         not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
         or out.device != q.device

@@ -332,6 +332,7 @@ class TransformerLM(nn.Module):
         return_stats: bool = False,
         backend: str = "auto",
         layer_hook=None,
+        attend=None,
     ):
         """One token per sequence through every layer's paged cache.
 
@@ -340,11 +341,13 @@ class TransformerLM(nn.Module):
         K/V to its cache, then calls ``entmaxkv.decode`` with ``policy``.
         ``layer_hook(layer, q, cache, seq_ids)`` (optional) is called with
         the layer's query [B, H, D] after the append, e.g. to capture
-        activations. Returns logits [B, vocab] and, with ``return_stats``,
-        a list of per-layer DecodeStats.
+        activations. ``attend`` replaces ``entmaxkv.decode`` (same call; e.g.
+        ``entmaxkv.distributed.decode`` over sharded caches). Returns logits
+        [B, vocab] and, with ``return_stats``, a list of per-layer stats.
         """
         from ..decode import decode
 
+        attend = decode if attend is None else attend
         cfg = self.cfg
         B = tokens.shape[0]
         seq_ids = torch.as_tensor(list(slots), dtype=torch.int32, device=tokens.device)
@@ -356,7 +359,7 @@ class TransformerLM(nn.Module):
             q = q[:, 0]  # [B, H, D]
             if layer_hook is not None:
                 layer_hook(layer, q, cache, seq_ids)
-            res = decode(
+            res = attend(
                 q, cache, seq_ids, policy, alpha=cfg.attn_alpha, scale=self.scale,
                 alibi_slopes=self.slopes, return_stats=return_stats, backend=backend,
                 check_finite=False,
