@@ -26,9 +26,18 @@ from .._checks import as_choice, as_int, describe
 from ..cache import PagedKVCache
 from ..layout import PagedKV
 
-__all__ = ["LAYOUTS", "Sharding", "ShardedCache"]
+__all__ = ["LAYOUTS", "Sharding", "ShardedCache", "to_device"]
 
 LAYOUTS = ("contiguous", "interleaved")
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list or NumPy array) as a tensor on ``device`` without
+    making the host wait (pinned memory, asynchronous copy)."""
+    t = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -204,7 +213,7 @@ class ShardedCache:
         start = self._glen[seq]
         if start + n > self.max_len:
             raise ValueError(f"k: {n} more tokens would take sequence {seq} past max_len ({self.max_len})")
-        mine = torch.from_numpy(np.flatnonzero(self.sharding.owned(start, n))).to(k.device)
+        mine = to_device(np.flatnonzero(self.sharding.owned(start, n)), torch.int64, k.device)
         self.local.prefill(seq, k.index_select(-3, mine), v.index_select(-3, mine), check_finite=check_finite)
         self._glen[seq] = start + n
         self._set_positions([seq])
@@ -225,7 +234,7 @@ class ShardedCache:
                 raise ValueError(f"seqs: sequence {s} already holds max_len ({self.max_len}) tokens")
         rows = [i for i, s in enumerate(ids) if self.sharding.owned(self._glen[s], 1)[0]]
         if rows:
-            idx = torch.tensor(rows, device=k.device)
+            idx = to_device(rows, torch.int64, k.device)
             self.local.append([ids[i] for i in rows], k.index_select(-3, idx), v.index_select(-3, idx),
                               check_finite=check_finite)
         for s in ids:
@@ -246,9 +255,5 @@ class ShardedCache:
         """Rows (query position, first stored position) of ``seqs``, in one
         asynchronous copy."""
         base = self.sharding.base
-        rows = [[max(self._glen[s] - 1, 0), base] for s in seqs]
-        src = torch.tensor(rows, dtype=torch.int32)
-        idx = torch.tensor(list(seqs), dtype=torch.int64)
-        if self.device.type == "cuda":
-            src, idx = src.pin_memory(), idx.pin_memory()
-        self.positions.index_put_((idx.to(self.device, non_blocking=True),), src.to(self.device, non_blocking=True))
+        src = to_device([[max(self._glen[s] - 1, 0), base] for s in seqs], torch.int32, self.device)
+        self.positions.index_put_((to_device(list(seqs), torch.int64, self.device),), src)

@@ -34,7 +34,7 @@ from ..types import DecodeStats, Selection
 from .._checks import as_ids, as_int, describe
 from .combine import (ContextParallel, GroupPageSums, all_gather, all_max, all_sum, entmax_output, entmax_tau,
                       merge_softmax, softmax_lse)
-from .shard import ShardedCache
+from .shard import ShardedCache, to_device
 
 __all__ = ["ShardStats", "decode"]
 
@@ -314,4 +314,4 @@ def _check_ids(seq_ids, cache: ShardedCache, batch: int) -> torch.Tensor:
             raise ValueError(f"seq_ids: sequence {s} is not allocated in the cache")
         if cache.length(s) == 0:
             raise ValueError(f"seq_ids: sequence {s} is empty; append its token first")
-    return torch.tensor(host, dtype=torch.int32, device=cache.device)
+    return to_device(list(host), torch.int32, cache.device)
