@@ -1,0 +1,120 @@
+"""The "entmaxkv" attention implementation for transformers, and its mask.
+
+``entmaxkv_mask`` replaces transformers' 4-D mask by what the attention
+function needs: the 2-D padding mask of the positions seen so far (True:
+a real token) and where the queries start. ``entmaxkv_attention`` then, for
+the layer's new tokens (q [B, HQ, T, D], k, v [B, H, T, D]):
+
+- writes the real ones (padding never enters the cache) into the layer of
+  the paged cache: at layer 0 the pages are reserved for every layer
+  (``PagedKVCache.reserve``), each layer writes through the slot mapping;
+- T = 1 for every row (decoding): one planned EntmaxKV step with the
+  cache's policy (plan at layer 0, run per layer);
+- otherwise (a prompt, or a chunk of one after cached context): dense
+  causal attention of each row's new real tokens over its cached and new
+  tokens, alpha-entmax or softmax; a padding query gets zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..entmax import entmax
+
+__all__ = ["EntmaxKVMask", "entmaxkv_attention", "entmaxkv_mask"]
+
+
+@dataclass
+class EntmaxKVMask:
+    """What the attention function is given instead of a 4-D mask.
+
+    Attributes:
+        padding: bool [B, kv_length] (True: a real token), or None (none padded).
+        q_offset: position of the first query among the kv_length positions.
+    """
+
+    padding: Optional[torch.Tensor]
+    q_offset: int
+
+
+def entmaxkv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                  **kwargs) -> EntmaxKVMask:
+    """transformers' mask interface for "entmaxkv": keeps the 2-D padding mask."""
+    pad = None
+    if attention_mask is not None:
+        pad = attention_mask.to(torch.bool)
+        if pad.shape[-1] < kv_length:  # (positions past the given mask are real tokens)
+            extra = torch.ones(pad.shape[0], kv_length - pad.shape[-1], dtype=torch.bool, device=pad.device)
+            pad = torch.cat((pad, extra), dim=-1)
+        pad = pad[:, :kv_length]
+    return EntmaxKVMask(pad, int(q_offset))
+
+
+def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                       scaling: Optional[float] = None, dropout: float = 0.0, **kwargs):
+    """transformers' attention interface for "entmaxkv" (see the module docstring).
+
+    Returns (output [B, T, HQ, D] in q's dtype, None)."""
+    tag = getattr(key, "_entmaxkv", None)
+    if tag is None:
+        raise ValueError("past_key_values: the 'entmaxkv' attention needs an entmaxkv.hf.EntmaxKVCache "
+                         "(pass past_key_values=EntmaxKVCache(model, ...) to generate or forward)")
+    cache, layer = tag
+    if not isinstance(attention_mask, EntmaxKVMask):
+        raise ValueError("attention_mask: expected the 'entmaxkv' mask (call entmaxkv.hf.register() before "
+                         "building the model's masks)")
+    if dropout:
+        raise ValueError(f"dropout: the 'entmaxkv' attention is for inference, got dropout={dropout}")
+    B, HQ, T, D = query.shape
+    scale = float(scaling) if scaling is not None else D ** -0.5
+    real = torch.ones(B, T, dtype=torch.bool, device=query.device) if attention_mask.padding is None \
+        else attention_mask.padding[:, -T:].to(query.device)
+    paged = cache.paged
+    with torch.no_grad():
+        if layer == 0:
+            counts = real.sum(-1).tolist()  # (host values: the pages are decided on the host)
+            cache._slot_mapping = paged.reserve(cache.slots, counts)
+            cache._decoding = T == 1 and all(c == 1 for c in counts)
+            if cache._decoding:
+                cache.decoder(scale).plan_cache(paged, cache.slots)
+        if cache._decoding:  # one real token per row: no mask to apply
+            k_real, v_real = key[:, :, 0], value[:, :, 0]
+        else:
+            k_real = key.transpose(1, 2)[real]  # [tokens, H, D], row after row
+            v_real = value.transpose(1, 2)[real]
+        paged.write(k_real, v_real, cache._slot_mapping, layer=layer, backend=cache.backend)
+        if cache._decoding:
+            out = cache.decoder(scale).run(query[:, :, 0].contiguous(), paged.layer(layer))
+            return out[:, None].to(query.dtype), None
+        return _dense(query, real, paged, cache, layer, scale), None
+
+
+def _dense(query, real, paged, cache, layer: int, scale: float) -> torch.Tensor:
+    """Causal attention of each row's new real tokens over its cached tokens
+    (the new ones last), in float32 (float64 queries stay float64)."""
+    B, HQ, T, D = query.shape
+    out = torch.zeros(B, T, HQ, D, dtype=query.dtype, device=query.device)
+    G = HQ // cache.kv_heads
+    dt = torch.float64 if query.dtype == torch.float64 else torch.float32
+    lay = paged.layer(layer)
+    for b, slot in enumerate(cache.slots):
+        idx = real[b].nonzero().flatten()
+        t = idx.numel()
+        if t == 0:
+            continue
+        n = paged.length(slot)
+        pages = paged.page_ids(slot).long()
+        k = lay.k_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n]  # [n, H, D]
+        v = lay.v_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n]
+        q = query[b, :, idx].to(dt)  # [HQ, t, D]
+        kg = k.to(dt).repeat_interleave(G, dim=1).transpose(0, 1)  # [HQ, n, D]
+        vg = v.to(dt).repeat_interleave(G, dim=1).transpose(0, 1)
+        s = torch.einsum("htd,hnd->htn", q, kg) * scale
+        pos = torch.arange(n - t, n, device=s.device)  # the new tokens are the row's last t
+        causal = torch.arange(n, device=s.device)[None, :] <= pos[:, None]
+        s = s.masked_fill(~causal[None], float("-inf"))
+        p = entmax(s, cache.alpha, dim=-1)
+        out[b, idx] = torch.einsum("htn,hnd->thd", p, vg).to(query.dtype)
+    return out

@@ -1,0 +1,183 @@
+"""EntmaxKVCache: a transformers ``Cache`` whose layers live in one paged EntmaxKV cache.
+
+transformers calls ``Cache.update(k, v, layer)`` in every attention module
+and then the registered attention function ("entmaxkv", attention.py).
+Here ``update`` only hands the new K/V on (tagged with the cache and layer):
+the attention function writes the real tokens (never the left padding,
+which only the mask knows) into the paged cache and attends, densely for a
+prompt or a chunk of one, through the planned EntmaxKV decoder for one new
+token per row.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .._checks import as_choice, as_float, as_int, describe
+from ..backend import BACKENDS
+from ..cache import PagedKVCache
+from ..limits import check_alpha, effective_alpha
+from ..planner import Decoder
+from ..policies import Full, check_policy
+
+__all__ = ["EntmaxKVCache", "Unsupported"]
+
+
+class Unsupported(ValueError):
+    """A transformers feature EntmaxKV does not implement (named in the message)."""
+
+
+def _refuse(what: str) -> None:
+    raise Unsupported(f"EntmaxKVCache: {what} is not supported (EntmaxKV decodes one new token per row "
+                      "over a paged cache that only grows)")
+
+
+class _Layer(CacheLayerMixin):
+    """One model layer's view: counts the positions transformers has seen."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "EntmaxKVCache", index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.seen = 0  # positions processed, left padding included (transformers' view)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.owner._bind(key_states, value_states, self.index)
+        key_states._entmaxkv = value_states._entmaxkv = (self.owner, self.index)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int):
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.owner._paged = None
+
+    def reorder_cache(self, beam_idx) -> None:
+        _refuse("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        _refuse("assisted decoding (crop)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        _refuse("expanding the batch (beam search or num_return_sequences > 1)")
+
+    def batch_select_indices(self, indices) -> None:
+        _refuse("selecting batch rows (contrastive search)")
+
+
+class EntmaxKVCache(Cache):
+    """The KV cache of a transformers model, decoded through EntmaxKV.
+
+    ``model.generate(input_ids, attention_mask=..., past_key_values=cache)``
+    (the model loaded or configured with ``attn_implementation="entmaxkv"``,
+    after ``entmaxkv.hf.register()``) prefills densely and decodes every new
+    token with ``policy``.
+
+    Args:
+        model_or_config: a transformers model or its config (a decoder with
+            ``num_hidden_layers``, ``num_attention_heads``,
+            ``num_key_value_heads`` and a head dim).
+        policy: Full() (default), TopK, Gaussian or Certified.
+        alpha: entmax alpha for prefill and decode; None: the config's
+            ``entmax_alpha`` if it has one, else 1 (softmax).
+        page_size: tokens per page (1..256); max_len: the longest row
+            (prompt, left padding excluded, plus new tokens).
+        dtype: storage dtype (None: the first K/V's); device: None: theirs.
+        backend: "auto", "reference" or "triton".
+    Raises:
+        Unsupported (a ValueError) for a config with sliding-window or
+        soft-capped attention or attention sinks, and, during generation, for
+        beam search, assisted decoding and other batch reshuffles.
+    """
+
+    def __init__(self, model_or_config, *, policy=None, alpha: Optional[float] = None, page_size: int = 16,
+                 max_len: int = 4096, dtype: Optional[torch.dtype] = None, device=None, backend: str = "auto"):
+        cfg = getattr(model_or_config, "config", model_or_config)
+        for name in ("num_hidden_layers", "num_attention_heads"):
+            if not isinstance(getattr(cfg, name, None), int):
+                raise ValueError(f"model_or_config: expected a decoder model or config with {name}, got "
+                                 f"{describe(model_or_config)}")
+        _check_config(cfg)
+        self.num_layers = cfg.num_hidden_layers
+        self.q_heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.q_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.q_heads
+        if alpha is None:
+            alpha = getattr(cfg, "entmax_alpha", 1.0)
+        self.alpha = effective_alpha(check_alpha(alpha))
+        self.page_size = as_int(page_size, "page_size", lo=1, hi=256)
+        self.max_len = as_int(max_len, "max_len", lo=1)
+        self.policy = Full() if policy is None else policy
+        check_policy(self.policy, alpha=self.alpha, page_size=self.page_size)
+        self.backend = as_choice(backend, "backend", BACKENDS)
+        self.dtype, self.device = dtype, device
+        self._paged: Optional[PagedKVCache] = None
+        self._decoder: Optional[Decoder] = None
+        self._slots = None
+        super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
+
+    # ------------------------------------------------------------------ state
+    @property
+    def paged(self) -> Optional[PagedKVCache]:
+        """The paged cache of every layer (None before the first forward)."""
+        return self._paged
+
+    def _bind(self, key_states: torch.Tensor, value_states: torch.Tensor, index: int) -> None:
+        """Build the paged cache at the first update (batch size, dtype, device known then)."""
+        B = key_states.shape[0]
+        if self._paged is None:
+            dtype = self.dtype or key_states.dtype
+            device = self.device or key_states.device
+            per_seq = -(-self.max_len // self.page_size)
+            self._paged = PagedKVCache(B * per_seq, self.page_size, self.kv_heads, self.head_dim, max_seqs=B,
+                                       max_pages_per_seq=per_seq, dtype=dtype, device=device,
+                                       num_layers=self.num_layers)
+            self._slots = [self._paged.allocate() for _ in range(B)]
+        elif B != len(self._slots):
+            _refuse(f"a batch of {B} rows after {len(self._slots)} (the batch changed between steps)")
+        if key_states.shape[1] != self.kv_heads or key_states.shape[-1] != self.head_dim:
+            raise ValueError(f"key_states: expected [batch, {self.kv_heads}, tokens, {self.head_dim}] (the "
+                             f"config's heads), got {tuple(key_states.shape)}")
+
+    def decoder(self, scale: float) -> Decoder:
+        """The planned decoder of this cache (made on first use)."""
+        if self._decoder is None or self._decoder.scale != scale:
+            self._decoder = Decoder(self.policy, q_heads=self.q_heads, kv_heads=self.kv_heads,
+                                    head_dim=self.head_dim, page_size=self.page_size, alpha=self.alpha,
+                                    scale=scale, device=self._paged.device, backend=self.backend)
+        return self._decoder
+
+    @property
+    def slots(self):
+        return self._slots
+
+
+def _check_config(cfg) -> None:
+    """Refuse what EntmaxKV cannot decode exactly, by name."""
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any("sliding" in str(t) for t in layer_types) or (
+            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+            and not layer_types):
+        _refuse("sliding-window attention")
+    for name in ("attn_logit_softcapping", "final_attn_softcapping"):
+        if getattr(cfg, name, None):
+            _refuse(f"soft-capped attention ({name})")
+    if getattr(cfg, "use_sink", False) or getattr(cfg, "attention_sinks", None) or \
+            "sinks" in str(getattr(cfg, "model_type", "")):
+        _refuse("attention sinks")
+    as_float(getattr(cfg, "entmax_alpha", 1.0), "entmax_alpha", lo=1.0)

@@ -1,0 +1,134 @@
+"""transformers' generate() with an EntmaxKVCache on tiny random stock models
+(Llama, Qwen2, Qwen3, Mistral; built offline from configs, float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, MistralConfig  # noqa: E402
+
+import entmaxkv.hf as H  # noqa: E402
+from entmaxkv import Certified, Full, TopK  # noqa: E402
+from entmaxkv.hf.testing import MODELS, SMALL, generate as _generate, register_dense, tiny_model  # noqa: E402
+
+H.register()
+register_dense()
+
+
+def _model(name, seed=0):
+    return tiny_model(name, seed)
+
+
+def _prompt(seed=1, batch=3, T=21, pad=(0, 6, 11)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["vocab_size"], (batch, T), generator=g)
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(pad[:batch]):
+        mask[b, :n] = 0  # left padding
+    return ids, mask
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_softmax_full_equals_hf_eager(name):
+    """alpha = 1, Full: the tokens and logits of HF's own eager attention,
+    on a left-padded batch."""
+    model = _model(name)
+    ids, mask = _prompt()
+    want, want_s = _generate(model, "eager", ids, mask)
+    cache = H.EntmaxKVCache(model, policy=Full(), alpha=1.0, page_size=4, max_len=64)
+    got, got_s = _generate(model, "entmaxkv", ids, mask, cache)
+    assert torch.equal(got, want)
+    assert _rel(got_s, want_s) < 1e-4
+    # pads never entered the cache: each row holds its real tokens and the new ones
+    assert [cache.paged.length(s) for s in cache.slots] == [21 + 7, 15 + 7, 10 + 7]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy", [Full(), Certified(seed=TopK(8), dense_above=1.0)], ids=["full", "certified"])
+def test_entmax_equals_dense_reference(name, policy):
+    """alpha = 1.5 (from the config): Full and Certified give a dense entmax
+    attention's tokens and logits (the prompt too is entmax)."""
+    model = _model(name, seed=3)
+    model.config.entmax_alpha = 1.5
+    ids, mask = _prompt(seed=4)
+    want, want_s = _generate(model, "entmax_dense", ids, mask)
+    cache = H.EntmaxKVCache(model, policy=policy, page_size=4, max_len=64)
+    assert cache.alpha == 1.5
+    got, got_s = _generate(model, "entmaxkv", ids, mask, cache)
+    assert torch.equal(got, want)
+    assert _rel(got_s, want_s) < 1e-4
+
+
+def test_padded_batch_equals_rows_alone():
+    model = _model("llama", seed=5)
+    ids, mask = _prompt(seed=6)
+    batch, _ = _generate(model, "entmaxkv", ids, mask, H.EntmaxKVCache(model, policy=TopK(8), page_size=4, max_len=64))
+    for b, pad in enumerate((0, 6, 11)):
+        row = ids[b:b + 1, pad:]
+        alone, _ = _generate(model, "entmaxkv", row, torch.ones_like(row),
+                             H.EntmaxKVCache(model, policy=TopK(8), page_size=4, max_len=64))
+        assert torch.equal(alone[0], batch[b]), b
+
+
+def test_chunked_prefill_equals_one_shot():
+    """A prompt fed in two chunks (the second over cached context) gives the
+    one-shot logits, and the same next token through the decode path."""
+    model = _model("qwen2", seed=7)
+    model.set_attn_implementation("entmaxkv")
+    ids, mask = _prompt(seed=8, batch=2, pad=(0, 4))
+    with torch.no_grad():
+        one = H.EntmaxKVCache(model, page_size=4, max_len=64)
+        full = model(ids, attention_mask=mask, past_key_values=one).logits[:, -1]
+        two = H.EntmaxKVCache(model, page_size=4, max_len=64)
+        model(ids[:, :9], attention_mask=mask[:, :9], past_key_values=two)
+        last = model(ids[:, 9:], attention_mask=mask, past_key_values=two).logits[:, -1]
+        assert _rel(last, full) < 1e-5
+        nxt = full.argmax(-1, keepdim=True)
+        step_mask = torch.cat((mask, torch.ones_like(nxt)), 1)
+        a = model(nxt, attention_mask=step_mask, past_key_values=one).logits[:, -1]
+        b = model(nxt, attention_mask=step_mask, past_key_values=two).logits[:, -1]
+    assert _rel(a, b) < 1e-5
+    assert [one.paged.length(s) for s in one.slots] == [two.paged.length(s) for s in two.slots] == [22, 18]
+
+
+def test_sampling_matches_eager():
+    model = _model("mistral", seed=9)
+    ids, mask = _prompt(seed=10, batch=2)
+    outs = []
+    for impl, cache in (("eager", None), ("entmaxkv", H.EntmaxKVCache(model, alpha=1.0, page_size=4, max_len=64))):
+        model.set_attn_implementation(impl)
+        torch.manual_seed(11)
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=10,
+                                   past_key_values=cache, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_refusals():
+    model = _model("llama")
+    ids, mask = _prompt(batch=2)
+    model.set_attn_implementation("entmaxkv")
+    with pytest.raises(H.Unsupported, match="beam search|expanding the batch"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, pad_token_id=0,
+                       past_key_values=H.EntmaxKVCache(model, max_len=64))
+    with pytest.raises(H.Unsupported, match="sliding-window"):
+        H.EntmaxKVCache(MistralConfig(sliding_window=16, **SMALL))
+    soft = LlamaConfig(**SMALL)
+    soft.attn_logit_softcapping = 30.0
+    with pytest.raises(H.Unsupported, match="soft-capped"):
+        H.EntmaxKVCache(soft)
+    sinks = LlamaConfig(**SMALL)
+    sinks.use_sink = True
+    with pytest.raises(H.Unsupported, match="attention sinks"):
+        H.EntmaxKVCache(sinks)
+    with pytest.raises(ValueError, match="needs an entmaxkv.hf.EntmaxKVCache"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match="budget"):
+        H.EntmaxKVCache(model, policy=TopK(2), page_size=4)
+    with pytest.raises(ValueError, match="model_or_config"):
+        H.EntmaxKVCache("llama")
