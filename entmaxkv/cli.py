@@ -1,4 +1,4 @@
-"""Command line: `entmaxkv demo | generate | quality | passkey | perplexity`.
+"""Command line: `entmaxkv demo | generate | quality | passkey | perplexity | bench latency`.
 
 `entmaxkv demo` is the main job (see entmaxkv/demo.py). The model and
 evaluation commands live in entmaxkv/model and entmaxkv/eval; each module
@@ -26,6 +26,7 @@ EXTRA_COMMANDS = {
     "quality": ("entmaxkv.eval.quality", "approximation quality (delta, rho, R, coverage) per policy: synthetic and captured Q/K/V"),
     "passkey": ("entmaxkv.eval.passkey", "passkey retrieval accuracy over context lengths and token budgets"),
     "perplexity": ("entmaxkv.eval.perplexity", "held-out perplexity under full and sparse decoding"),
+    "bench": ("entmaxkv.bench", "benchmarks of what users run: `entmaxkv bench latency` (vLLM's conventions)"),
 }
 
 

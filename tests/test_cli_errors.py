@@ -232,7 +232,7 @@ def test_process_exit_status_and_stderr(argv, flag):
 # ------------------------------------------------------------------ --help
 
 
-COMMANDS = ["demo", "generate", "quality", "passkey", "perplexity"]
+COMMANDS = ["demo", "generate", "quality", "passkey", "perplexity", "bench"]
 
 
 def test_commands_match_readme():

@@ -2,6 +2,8 @@
 (Llama, Qwen2, Qwen3, Mistral; built offline from configs, float32)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from entmaxkv.hf.testing import MODELS, SMALL, generate as _generate, register_d
 
 H.register()
 register_dense()
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 def _model(name, seed=0):
@@ -132,3 +135,60 @@ def test_refusals():
         H.EntmaxKVCache(model, policy=TopK(2), page_size=4)
     with pytest.raises(ValueError, match="model_or_config"):
         H.EntmaxKVCache("llama")
+
+
+# ------------------------------------------------------------------ the twins as transformers models
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """Both twin checkpoints converted to transformers folders (a few seconds)."""
+    out = tmp_path_factory.mktemp("hf")
+    return {name: H.convert(CHECKPOINTS / name, out / name) for name in ("entmax", "softmax")}
+
+
+@pytest.mark.parametrize("name,policy", [("entmax", Full()), ("entmax", Certified(seed=TopK(32), dense_above=1.0)),
+                                         ("softmax", Full())], ids=["entmax-full", "entmax-certified", "softmax"])
+def test_twin_from_pretrained_equals_entmaxkv_generate(twins, name, policy):
+    """AutoModelForCausalLM.from_pretrained(folder) + generate with an
+    EntmaxKVCache gives the tokens of `entmaxkv generate` (the exact policies:
+    the first new token comes from the prompt's dense attention here, from
+    the decode path there, which only exact policies make the same)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from entmaxkv.model.checkpoint import load_model
+    from entmaxkv.model.generate import generate
+
+    tok = AutoTokenizer.from_pretrained(twins[name])
+    model = AutoModelForCausalLM.from_pretrained(twins[name], attn_implementation="entmaxkv").eval()
+    text = "def parse(self, data):\n    result = []\n    for line in data.splitlines():\n        "
+    ids = tok(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == list(text.encode())
+    want = generate(load_model(CHECKPOINTS / name), ids[0], 12, policy=policy, page_size=8).tokens
+    cache = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128)
+    assert cache.alpha == (1.5 if name == "entmax" else 1.0)
+    got = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache, pad_token_id=0)
+    assert got[:, ids.shape[1]:].tolist() == want.tolist()
+    model.set_attn_implementation("eager")  # the twin's own dense attention, over a DynamicCache
+    eager = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert eager[:, ids.shape[1]:].tolist() == want.tolist()
+    assert tok.decode(got[0, ids.shape[1]:]) == bytes(want[0].tolist()).decode("utf-8", errors="replace")
+
+
+def test_bench_latency_cli(tmp_path):
+    """`entmaxkv bench latency` on a twin checkpoint and on a transformers
+    folder: vLLM's JSON keys; bad flags are one line and status 2."""
+    import json
+
+    from entmaxkv.cli import main
+
+    folder = tmp_path / "llama"
+    _model("llama").save_pretrained(folder)
+    for model in (str(CHECKPOINTS / "entmax"), str(folder)):
+        out = tmp_path / "lat.json"
+        assert main(["bench", "latency", "--model", model, "--input-len", "12", "--output-len", "3",
+                     "--batch-size", "2", "--num-iters-warmup", "1", "--num-iters", "2", "--page-size", "4",
+                     "--budget", "8", "--output-json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert len(res["latencies"]) == 2 and set(res["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+        assert res["avg_latency"] > 0
+    assert main(["bench", "latency", "--model", str(tmp_path / "nothing")]) == 2
+    assert main(["bench", "latency", "--budget", "4", "--page-size", "8"]) == 2

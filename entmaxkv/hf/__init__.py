@@ -20,10 +20,14 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from .attention import EntmaxKVMask, entmaxkv_attention, entmaxkv_mask
 from .cache import EntmaxKVCache, Unsupported
+from .twin import MODEL_TYPE, ByteTokenizer, TwinConfig, TwinForCausalLM, convert
 
-__all__ = ["ATTN_IMPLEMENTATION", "EntmaxKVCache", "EntmaxKVMask", "Unsupported", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "ByteTokenizer", "EntmaxKVCache", "EntmaxKVMask", "TwinConfig", "TwinForCausalLM",
+           "Unsupported", "convert", "register"]
 
 ATTN_IMPLEMENTATION = "entmaxkv"
 SUPPORTED = ((5, 17), (5, 24))  # transformers versions: [from, to)
@@ -34,11 +38,15 @@ def _version() -> tuple:
 
 
 def register() -> str:
-    """Register the "entmaxkv" attention implementation and its mask with
-    transformers (idempotent); returns the name to pass as
+    """Register with transformers (idempotent): the "entmaxkv" attention
+    implementation and its mask, and the twins (TwinConfig, TwinForCausalLM,
+    ByteTokenizer) with the Auto classes. Returns the name to pass as
     ``attn_implementation``. Raises ImportError for an unsupported version."""
     if not SUPPORTED[0] <= _version() < SUPPORTED[1]:
         raise ImportError(f"entmaxkv.hf supports transformers >= 5.17, < 5.24; this is {transformers.__version__}")
     AttentionInterface.register(ATTN_IMPLEMENTATION, entmaxkv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, entmaxkv_mask)
+    AutoConfig.register(MODEL_TYPE, TwinConfig, exist_ok=True)
+    AutoModelForCausalLM.register(TwinConfig, TwinForCausalLM, exist_ok=True)
+    AutoTokenizer.register(TwinConfig, slow_tokenizer_class=ByteTokenizer, exist_ok=True)
     return ATTN_IMPLEMENTATION

@@ -55,6 +55,8 @@ def entmaxkv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
 def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                        scaling: Optional[float] = None, dropout: float = 0.0, **kwargs):
     """transformers' attention interface for "entmaxkv" (see the module docstring).
+    ``alibi_slopes`` (a keyword, float [HQ]): ALiBi biases over the cached
+    tokens' positions (the twins' NAPE heads; stock models pass none).
 
     Returns (output [B, T, HQ, D] in q's dtype, None)."""
     tag = getattr(key, "_entmaxkv", None)
@@ -69,6 +71,7 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         raise ValueError(f"dropout: the 'entmaxkv' attention is for inference, got dropout={dropout}")
     B, HQ, T, D = query.shape
     scale = float(scaling) if scaling is not None else D ** -0.5
+    slopes = kwargs.get("alibi_slopes")
     real = torch.ones(B, T, dtype=torch.bool, device=query.device) if attention_mask.padding is None \
         else attention_mask.padding[:, -T:].to(query.device)
     paged = cache.paged
@@ -78,7 +81,7 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             cache._slot_mapping = paged.reserve(cache.slots, counts)
             cache._decoding = T == 1 and all(c == 1 for c in counts)
             if cache._decoding:
-                cache.decoder(scale).plan_cache(paged, cache.slots)
+                cache.decoder(scale, slopes).plan_cache(paged, cache.slots)
         if cache._decoding:  # one real token per row: no mask to apply
             k_real, v_real = key[:, :, 0], value[:, :, 0]
         else:
@@ -86,14 +89,15 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             v_real = value.transpose(1, 2)[real]
         paged.write(k_real, v_real, cache._slot_mapping, layer=layer, backend=cache.backend)
         if cache._decoding:
-            out = cache.decoder(scale).run(query[:, :, 0].contiguous(), paged.layer(layer))
+            out = cache.decoder(scale, slopes).run(query[:, :, 0].contiguous(), paged.layer(layer))
             return out[:, None].to(query.dtype), None
-        return _dense(query, real, paged, cache, layer, scale), None
+        return _dense(query, real, paged, cache, layer, scale, slopes), None
 
 
-def _dense(query, real, paged, cache, layer: int, scale: float) -> torch.Tensor:
+def _dense(query, real, paged, cache, layer: int, scale: float, slopes) -> torch.Tensor:
     """Causal attention of each row's new real tokens over its cached tokens
-    (the new ones last), in float32 (float64 queries stay float64)."""
+    (the new ones last), in float32 (float64 queries stay float64); ALiBi
+    over the cached positions when ``slopes`` are given."""
     B, HQ, T, D = query.shape
     out = torch.zeros(B, T, HQ, D, dtype=query.dtype, device=query.device)
     G = HQ // cache.kv_heads
@@ -113,8 +117,10 @@ def _dense(query, real, paged, cache, layer: int, scale: float) -> torch.Tensor:
         vg = v.to(dt).repeat_interleave(G, dim=1).transpose(0, 1)
         s = torch.einsum("htd,hnd->htn", q, kg) * scale
         pos = torch.arange(n - t, n, device=s.device)  # the new tokens are the row's last t
-        causal = torch.arange(n, device=s.device)[None, :] <= pos[:, None]
-        s = s.masked_fill(~causal[None], float("-inf"))
+        rel = torch.arange(n, device=s.device)[None, :] - pos[:, None]  # [t, n]: j - i
+        if slopes is not None:
+            s = s + slopes.to(device=s.device, dtype=dt).view(HQ, 1, 1) * rel.to(dt)
+        s = s.masked_fill((rel > 0)[None], float("-inf"))
         p = entmax(s, cache.alpha, dim=-1)
         out[b, idx] = torch.einsum("htn,hnd->thd", p, vg).to(query.dtype)
     return out

@@ -128,6 +128,7 @@ class EntmaxKVCache(Cache):
         self.dtype, self.device = dtype, device
         self._paged: Optional[PagedKVCache] = None
         self._decoder: Optional[Decoder] = None
+        self._slopes = None
         self._slots = None
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
 
@@ -154,12 +155,15 @@ class EntmaxKVCache(Cache):
             raise ValueError(f"key_states: expected [batch, {self.kv_heads}, tokens, {self.head_dim}] (the "
                              f"config's heads), got {tuple(key_states.shape)}")
 
-    def decoder(self, scale: float) -> Decoder:
-        """The planned decoder of this cache (made on first use)."""
-        if self._decoder is None or self._decoder.scale != scale:
+    def decoder(self, scale: float, slopes: Optional[torch.Tensor] = None) -> Decoder:
+        """The planned decoder of this cache (made on first use; ``slopes``:
+        ALiBi slopes [q_heads], the same tensor every step)."""
+        if self._decoder is None or self._decoder.scale != scale or self._slopes is not slopes:
             self._decoder = Decoder(self.policy, q_heads=self.q_heads, kv_heads=self.kv_heads,
                                     head_dim=self.head_dim, page_size=self.page_size, alpha=self.alpha,
-                                    scale=scale, device=self._paged.device, backend=self.backend)
+                                    scale=scale, alibi_slopes=slopes, device=self._paged.device,
+                                    backend=self.backend)
+            self._slopes = slopes
         return self._decoder
 
     @property
