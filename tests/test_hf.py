@@ -100,6 +100,22 @@ def test_chunked_prefill_equals_one_shot():
     assert [one.paged.length(s) for s in one.slots] == [two.paged.length(s) for s in two.slots] == [22, 18]
 
 
+@pytest.mark.parametrize("alpha", [1.0, 1.5])
+def test_prefill_in_query_chunks(alpha):
+    """A prompt attended in query chunks (a small prefill_scores) gives the
+    one-block logits (the dense prefill never holds T x T scores)."""
+    model = _model("llama", seed=12)
+    model.config.entmax_alpha = alpha
+    model.set_attn_implementation("entmaxkv")
+    ids, mask = _prompt(seed=13, batch=2, pad=(0, 5))
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, past_key_values=H.EntmaxKVCache(model, page_size=4)).logits
+        parts = model(ids, attention_mask=mask,
+                      past_key_values=H.EntmaxKVCache(model, page_size=4, prefill_scores=200)).logits
+    real = mask.bool()
+    assert _rel(parts[real], whole[real]) < 1e-5
+
+
 def test_sampling_matches_eager():
     model = _model("mistral", seed=9)
     ids, mask = _prompt(seed=10, batch=2)

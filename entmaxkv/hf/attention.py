@@ -91,13 +91,15 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         if cache._decoding:
             out = cache.decoder(scale, slopes).run(query[:, :, 0].contiguous(), paged.layer(layer))
             return out[:, None].to(query.dtype), None
-        return _dense(query, real, paged, cache, layer, scale, slopes), None
+        return _dense(query, real, paged, cache, layer, scale, slopes, cache.prefill_scores), None
 
 
-def _dense(query, real, paged, cache, layer: int, scale: float, slopes) -> torch.Tensor:
+def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: int) -> torch.Tensor:
     """Causal attention of each row's new real tokens over its cached tokens
-    (the new ones last), in float32 (float64 queries stay float64); ALiBi
-    over the cached positions when ``slopes`` are given."""
+    (the new ones last): softmax through torch SDPA, entmax on score blocks
+    of about ``budget`` entries (queries in chunks, so nothing is T x T);
+    ALiBi over the cached positions when ``slopes`` are given. float32
+    (float64 queries stay float64)."""
     B, HQ, T, D = query.shape
     out = torch.zeros(B, T, HQ, D, dtype=query.dtype, device=query.device)
     G = HQ // cache.kv_heads
@@ -110,17 +112,26 @@ def _dense(query, real, paged, cache, layer: int, scale: float, slopes) -> torch
             continue
         n = paged.length(slot)
         pages = paged.page_ids(slot).long()
-        k = lay.k_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n]  # [n, H, D]
-        v = lay.v_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n]
-        q = query[b, :, idx].to(dt)  # [HQ, t, D]
-        kg = k.to(dt).repeat_interleave(G, dim=1).transpose(0, 1)  # [HQ, n, D]
-        vg = v.to(dt).repeat_interleave(G, dim=1).transpose(0, 1)
-        s = torch.einsum("htd,hnd->htn", q, kg) * scale
-        pos = torch.arange(n - t, n, device=s.device)  # the new tokens are the row's last t
-        rel = torch.arange(n, device=s.device)[None, :] - pos[:, None]  # [t, n]: j - i
-        if slopes is not None:
-            s = s + slopes.to(device=s.device, dtype=dt).view(HQ, 1, 1) * rel.to(dt)
-        s = s.masked_fill((rel > 0)[None], float("-inf"))
-        p = entmax(s, cache.alpha, dim=-1)
-        out[b, idx] = torch.einsum("htn,hnd->thd", p, vg).to(query.dtype)
+        kg = lay.k_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n].transpose(0, 1)  # [H, n, D]
+        vg = lay.v_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n].transpose(0, 1)
+        q = query[b, :, idx]  # [HQ, t, D]
+        chunk = max(1, min(t, budget // max(1, HQ * n)))
+        for c0 in range(0, t, chunk):
+            c1 = min(t, c0 + chunk)
+            rel = torch.arange(n, device=q.device)[None, :] - torch.arange(n - t + c0, n - t + c1, device=q.device)[:, None]
+            bias = torch.zeros(HQ, c1 - c0, n, dtype=dt, device=q.device)
+            if slopes is not None:
+                bias = bias + slopes.to(device=q.device, dtype=dt).view(HQ, 1, 1) * rel.to(dt)
+            bias = bias.masked_fill((rel > 0)[None], float("-inf"))  # causal: key j <= query i
+            qc = q[:, c0:c1].to(dt)
+            if cache.alpha == 1.0:
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qc[None], kg.to(dt)[None], vg.to(dt)[None], attn_mask=bias[None], scale=scale,
+                    enable_gqa=G > 1)[0]  # [HQ, c, D]
+            else:
+                s = torch.einsum("hgcd,hnd->hgcn", qc.view(cache.kv_heads, G, c1 - c0, D), kg.to(dt))
+                s = s.reshape(HQ, c1 - c0, n) * scale + bias
+                p = entmax(s, cache.alpha, dim=-1)
+                o = torch.einsum("hgcn,hnd->hgcd", p.view(cache.kv_heads, G, c1 - c0, n), vg.to(dt)).reshape(HQ, c1 - c0, D)
+            out[b, idx[c0:c1]] = o.transpose(0, 1).to(query.dtype)
     return out

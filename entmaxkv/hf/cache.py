@@ -99,6 +99,8 @@ class EntmaxKVCache(Cache):
             (prompt, left padding excluded, plus new tokens).
         dtype: storage dtype (None: the first K/V's); device: None: theirs.
         backend: "auto", "reference" or "triton".
+        prefill_scores: int >= 1, the most attention scores a prompt's
+            dense attention holds at once (it runs in query chunks).
     Raises:
         Unsupported (a ValueError) for a config with sliding-window or
         soft-capped attention or attention sinks, and, during generation, for
@@ -106,7 +108,8 @@ class EntmaxKVCache(Cache):
     """
 
     def __init__(self, model_or_config, *, policy=None, alpha: Optional[float] = None, page_size: int = 16,
-                 max_len: int = 4096, dtype: Optional[torch.dtype] = None, device=None, backend: str = "auto"):
+                 max_len: int = 4096, dtype: Optional[torch.dtype] = None, device=None, backend: str = "auto",
+                 prefill_scores: int = 1 << 26):
         cfg = getattr(model_or_config, "config", model_or_config)
         for name in ("num_hidden_layers", "num_attention_heads"):
             if not isinstance(getattr(cfg, name, None), int):
@@ -125,6 +128,7 @@ class EntmaxKVCache(Cache):
         self.policy = Full() if policy is None else policy
         check_policy(self.policy, alpha=self.alpha, page_size=self.page_size)
         self.backend = as_choice(backend, "backend", BACKENDS)
+        self.prefill_scores = as_int(prefill_scores, "prefill_scores", lo=1)
         self.dtype, self.device = dtype, device
         self._paged: Optional[PagedKVCache] = None
         self._decoder: Optional[Decoder] = None
