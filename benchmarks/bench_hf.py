@@ -1,0 +1,161 @@
+"""transformers' generate() with an EntmaxKVCache against HF's own sdpa attention (a script, GPU).
+
+For each model and prompt length (batch 1, the same random prompt for both):
+
+- ``sdpa``: HF's sdpa attention with its static cache
+  (``cache_implementation="static"``);
+- ``entmaxkv``: the "entmaxkv" attention with an ``EntmaxKVCache(policy)``.
+
+Each is timed generating 1 and ``--new`` tokens (median of ``--reps``):
+prefill seconds = t(1), decode tokens/s = (new - 1) / (t(new) - t(1)). HF's
+own per-token Python work is in both. With ``--compile`` the sdpa model's
+forward also runs under torch.compile (HF's static-cache path); the
+EntmaxKVCache is not a compileable cache, so its row says so.
+
+Models: ``llama8b`` (the Llama-3-8B shape, random weights, bf16: 32 layers,
+32 / 8 heads, head dim 128, SwiGLU 14336, vocab 128256) and ``twin`` (the
+entmax twin, converted on the fly; --checkpoint). ``tiny`` is a small random
+Llama for a CPU dry run of the script.
+
+    python -m benchmarks.bench_hf --models llama8b,twin --lengths 32768,131072 --out benchmarks/results
+    python -m benchmarks.bench_hf --models tiny --lengths 64 --new 4 --reps 1 --device cpu   # dry run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(name: str, device, checkpoint: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import entmaxkv.hf as H
+
+    H.register()
+    if name == "twin":
+        folder = H.convert(checkpoint, Path(tempfile.mkdtemp()) / "twin")
+        return AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
+    if name == "llama8b":
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=1 << 20,
+                          rope_theta=500000.0)
+        dtype = torch.bfloat16
+    else:  # tiny
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1 << 16)
+        dtype = torch.float32
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def timed(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def measure(model, ids, label: str, args, device) -> dict:
+    """Prefill seconds and decode tokens/s of one method on one prompt ``ids`` [1, n] int64."""
+    import entmaxkv.hf as H
+    from entmaxkv import TopK
+
+    n = ids.shape[1]
+    mask = torch.ones_like(ids)
+
+    def make(k: int):
+        if label.startswith("sdpa"):
+            model.set_attn_implementation("sdpa")
+            # HF compiles a static-cache forward on its own unless told not to.
+            kw = {"cache_implementation": "static", "disable_compile": label == "sdpa"}
+        else:
+            model.set_attn_implementation("entmaxkv")
+            kw = {"past_key_values": H.EntmaxKVCache(model, policy=TopK(args.budget), page_size=args.page_size,
+                                                     max_len=n + args.new)}
+        return model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                              pad_token_id=0, **kw)
+
+    with torch.no_grad():
+        make(2)  # warm-up: compiles kernels
+        t1 = statistics.median(timed(lambda: make(1), device) for _ in range(args.reps))
+        tn = statistics.median(timed(lambda: make(args.new), device) for _ in range(args.reps))
+    return {"prefill_s": t1, "decode_tokens_per_s": (args.new - 1) / max(tn - t1, 1e-9),
+            "ms_per_token": 1e3 * (tn - t1) / (args.new - 1)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama8b,twin", help="comma list of llama8b, twin, tiny")
+    ap.add_argument("--lengths", default="32768,131072", help="comma list of prompt lengths")
+    ap.add_argument("--new", type=int, default=64, help="generated tokens per timed run (>= 2)")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per measurement (>= 1)")
+    ap.add_argument("--budget", type=int, default=1024, help="TopK budget of the EntmaxKV policy")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--compile", action="store_true", help="also time the sdpa model under torch.compile")
+    ap.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "entmax"), help="the twin checkpoint")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--out", default=None, help="folder for bench_hf.json")
+    args = ap.parse_args(argv)
+    if args.new < 2 or args.reps < 1:
+        ap.error("--new must be >= 2 and --reps >= 1")
+    device = torch.device(args.device)
+
+    rows = []
+    for name in args.models.split(","):
+        model = build(name, device, args.checkpoint)
+        vocab = model.config.vocab_size
+        for n in (int(x) for x in args.lengths.split(",")):
+            gen = torch.Generator().manual_seed(n)
+            ids = torch.randint(1, vocab, (1, n), generator=gen).to(device)
+            runs = {}
+            for label in ("sdpa", "sdpa_compiled", "entmaxkv"):
+                if label == "sdpa_compiled" and not args.compile:
+                    continue
+                row = {"model": name, "n": n, "method": label, "new": args.new}
+                try:
+                    row.update(measure(model, ids, label, args, device))
+                except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                runs[label] = row
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if all("decode_tokens_per_s" in runs.get(k, {}) for k in ("sdpa", "entmaxkv")):
+                runs["entmaxkv"]["speedup_vs_sdpa"] = (runs["entmaxkv"]["decode_tokens_per_s"]
+                                                      / runs["sdpa"]["decode_tokens_per_s"])
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        import transformers
+
+        meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "python": platform.python_version(),
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "command": "python -m benchmarks.bench_hf " + " ".join(sys.argv[1:] if argv is None else argv)}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_hf.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
