@@ -12,7 +12,8 @@ the layer's new tokens (q [B, HQ, T, D], k, v [B, H, T, D]):
   cache's policy (plan at layer 0, run per layer);
 - otherwise (a prompt, or a chunk of one after cached context): dense
   causal attention of each row's new real tokens over its cached and new
-  tokens, alpha-entmax or softmax; a padding query gets zeros.
+  tokens, alpha-entmax or softmax (``entmaxkv.prefill``); a padding query
+  gets zeros.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..entmax import entmax
+from ..prefill import paged_prefill
 
 __all__ = ["EntmaxKVMask", "entmaxkv_attention", "entmaxkv_mask"]
 
@@ -96,42 +97,16 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 
 def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: int) -> torch.Tensor:
     """Causal attention of each row's new real tokens over its cached tokens
-    (the new ones last): softmax through torch SDPA, entmax on score blocks
-    of about ``budget`` entries (queries in chunks, so nothing is T x T);
-    ALiBi over the cached positions when ``slopes`` are given. float32
-    (float64 queries stay float64)."""
+    (the new ones last, already written): ``prefill.paged_prefill`` per row;
+    a padding query gets zeros."""
     B, HQ, T, D = query.shape
     out = torch.zeros(B, T, HQ, D, dtype=query.dtype, device=query.device)
-    G = HQ // cache.kv_heads
-    dt = torch.float64 if query.dtype == torch.float64 else torch.float32
     lay = paged.layer(layer)
     for b, slot in enumerate(cache.slots):
         idx = real[b].nonzero().flatten()
-        t = idx.numel()
-        if t == 0:
+        if idx.numel() == 0:
             continue
-        n = paged.length(slot)
-        pages = paged.page_ids(slot).long()
-        kg = lay.k_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n].transpose(0, 1)  # [H, n, D]
-        vg = lay.v_pages[pages].transpose(1, 2).reshape(-1, cache.kv_heads, D)[:n].transpose(0, 1)
-        q = query[b, :, idx]  # [HQ, t, D]
-        chunk = max(1, min(t, budget // max(1, HQ * n)))
-        for c0 in range(0, t, chunk):
-            c1 = min(t, c0 + chunk)
-            rel = torch.arange(n, device=q.device)[None, :] - torch.arange(n - t + c0, n - t + c1, device=q.device)[:, None]
-            bias = torch.zeros(HQ, c1 - c0, n, dtype=dt, device=q.device)
-            if slopes is not None:
-                bias = bias + slopes.to(device=q.device, dtype=dt).view(HQ, 1, 1) * rel.to(dt)
-            bias = bias.masked_fill((rel > 0)[None], float("-inf"))  # causal: key j <= query i
-            qc = q[:, c0:c1].to(dt)
-            if cache.alpha == 1.0:
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    qc[None], kg.to(dt)[None], vg.to(dt)[None], attn_mask=bias[None], scale=scale,
-                    enable_gqa=G > 1)[0]  # [HQ, c, D]
-            else:
-                s = torch.einsum("hgcd,hnd->hgcn", qc.view(cache.kv_heads, G, c1 - c0, D), kg.to(dt))
-                s = s.reshape(HQ, c1 - c0, n) * scale + bias
-                p = entmax(s, cache.alpha, dim=-1)
-                o = torch.einsum("hgcn,hnd->hgcd", p.view(cache.kv_heads, G, c1 - c0, n), vg.to(dt)).reshape(HQ, c1 - c0, D)
-            out[b, idx[c0:c1]] = o.transpose(0, 1).to(query.dtype)
+        q = query[b, :, idx].transpose(0, 1)  # [t, HQ, D]
+        out[b, idx] = paged_prefill(q, lay, paged.page_ids(slot), paged.length(slot), alpha=cache.alpha,
+                                    scale=scale, alibi_slopes=slopes, max_scores=budget)
     return out
