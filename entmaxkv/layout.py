@@ -4,8 +4,10 @@
 nothing and copies nothing, so an engine can hand over its own buffers
 (``PagedKV.from_buffers``), strided views included, e.g. vLLM-style pages
 ``[num_blocks, H, P, 2 * D]`` with K and V side by side in the last dim
-(``split_packed``). ``PagedKVCache`` is a host-side owner of such tensors
-(``cache.layer(i)``).
+(``split_packed``), or opaque pages that hold the statistics too
+(``stats_in_pages``: an engine that sizes its pages by ``row_width`` keeps
+all of a page's bytes in its own allocator). ``PagedKVCache`` is a
+host-side owner of such tensors (``cache.layer(i)``).
 
 Shapes (N pages, H KV heads, P page size, D head dim, R block-table rows,
 M logical pages per row):
@@ -35,7 +37,7 @@ import torch
 
 from ._checks import describe
 
-__all__ = ["PageShape", "PagedKV", "STORAGE_DTYPES", "check_rows", "split_packed"]
+__all__ = ["PageShape", "PagedKV", "STORAGE_DTYPES", "check_rows", "row_width", "split_packed", "stats_in_pages"]
 
 STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -245,3 +247,70 @@ def split_packed(kv_pages: torch.Tensor):
         raise ValueError("kv_pages: the last dim must be contiguous (stride 1)")
     D = kv_pages.shape[-1] // 2
     return kv_pages[..., :D], kv_pages[..., D:]
+
+
+def _stats_elems(head_dim: int, dtype: torch.dtype) -> int:
+    """Storage-dtype elements of one page-head's statistics: bounds and
+    moments (2 x head_dim each) and the float32 running (mean, M2)."""
+    return 4 * head_dim + (8 * head_dim) // torch.tensor([], dtype=dtype).element_size()
+
+
+def row_width(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Elements per token row of a page that holds K, V and the page's
+    statistics (``stats_in_pages``): ``2 * head_dim`` plus the statistics
+    spread over the page's rows, rounded so that a page-head stays a whole
+    number of float32 words. Bytes per token: ``row_width * itemsize``.
+    """
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"dtype: expected one of {STORAGE_DTYPES}, got {dtype}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 256:
+        raise ValueError(f"page_size: expected an int in 1..256, got {page_size!r}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1 or head_dim % 2:
+        raise ValueError(f"head_dim: expected an even int >= 2, got {head_dim!r}")
+    width = 2 * head_dim + -(-_stats_elems(head_dim, dtype) // page_size)
+    words = 4 // torch.tensor([], dtype=dtype).element_size()  # elements per float32 word
+    while (page_size * width) % words:
+        width += 1
+    return width
+
+
+def stats_in_pages(pages: torch.Tensor, head_dim: int) -> PagedKV:
+    """A ``PagedKV`` whose K, V and statistics all live in ``pages``.
+
+    ``pages`` is [num_pages, kv_heads, page_size, row_width] (``row_width``
+    of these sizes or wider), each page-head's rows contiguous (strides
+    ``(*, *, row_width, 1)``), e.g. an engine's own page buffer. Each
+    page-head region of ``page_size * row_width`` elements is read as: K
+    rows [page_size, head_dim], V rows, (min, max) [2, head_dim], (mean,
+    std) [2, head_dim], then the float32 running (mean, M2) [2, head_dim].
+    Views only, no copy. Zeroed pages are empty pages: write every token
+    with ``entmaxkv.ops.write_kv``.
+    """
+    if not isinstance(pages, torch.Tensor) or pages.dim() != 4 or pages.dtype not in STORAGE_DTYPES:
+        raise ValueError(f"pages: expected a float32/float16/bfloat16 tensor [num_pages, kv_heads, page_size, "
+                         f"row_width], got {describe(pages)}")
+    N, H, P, C = pages.shape
+    need = row_width(P, head_dim, pages.dtype) if 1 <= P <= 256 else None
+    if need is None or C < need:
+        raise ValueError(f"pages: rows of {C} elements cannot hold K, V and the statistics of a page of {P} "
+                         f"tokens with head_dim {head_dim} (row_width gives {need})")
+    sN, sH, sP, sC = pages.stride()
+    if sC != 1 or sP != C:
+        raise ValueError(f"pages: expected each page-head's rows contiguous (strides (*, *, {C}, 1)), got "
+                         f"{pages.stride()}")
+    D, off = head_dim, pages.storage_offset()
+    item = pages.element_size()
+
+    def view(at: int, rows: int, dtype=pages.dtype, base=pages, unit=1) -> torch.Tensor:
+        return torch.as_strided(base, (N, H, rows, D), (sN // unit, sH // unit, D, 1), (off + at) // unit)
+
+    k, v = view(0, P), view(P * D, P)
+    bounds, moments = view(2 * P * D, 2), view(2 * P * D + 2 * D, 2)
+    unit = 4 // item  # storage elements per float32 word
+    at = 2 * P * D + 4 * D
+    if item < 4 and ((off + at) % unit or sN % unit or sH % unit):
+        raise ValueError(f"pages: the float32 statistics need 4-byte aligned page-heads (offset {off}, strides "
+                         f"{pages.stride()} in {pages.dtype} elements)")
+    words = torch.empty(0, dtype=torch.float32, device=pages.device).set_(pages.untyped_storage())
+    welford = view(at, 2, base=words, unit=unit)
+    return PagedKV(k, v, bounds, moments, welford=welford).check(rows=False, writable=True)

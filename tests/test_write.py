@@ -182,6 +182,59 @@ def test_write_packed_buffers(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("P", [1, 3, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_stats_in_pages(dtype, P, backend):
+    """Pages that hold their own statistics (``stats_in_pages``, an engine's
+    opaque page buffer sized by ``row_width``, inside a larger allocation)
+    get exactly what separate buffers get, bytes of other pages untouched."""
+    from entmaxkv.layout import row_width, stats_in_pages
+
+    gen = torch.Generator().manual_seed(P)
+    N, H, D = 9, 2, 6
+    C = row_width(P, D, dtype)
+    raw = torch.randn(3 * N * H * P * C + 8).to(dtype)  # another tenant's bytes around ours
+    pages = raw[4:4 + N * H * P * C].view(N, H, P, C)
+    pages.zero_()
+    before = raw.clone()
+    inside = stats_in_pages(pages, D)
+    plain = PagedKV.from_buffers(torch.zeros(N, H, P, D, dtype=dtype), torch.zeros(N, H, P, D, dtype=dtype))
+    slots = torch.randperm(N * P, generator=gen)[:1].tolist()
+    page = slots[0] // P
+    run = [page * P + r for r in range(P)]  # a whole page, then one token at a time into another
+    other = (page + 1) % N
+    for chunk in (run, [other * P], [other * P + 1] if P > 1 else [((page + 2) % N) * P]):
+        idx = torch.tensor(chunk)
+        k, v = torch.randn(len(chunk), H, D, generator=gen) * 3, torch.randn(len(chunk), H, D, generator=gen)
+        for kv in (inside, plain):
+            ops.write_kv(kv, k, v, idx, backend=backend)
+    for name in ("k_pages", "v_pages", "k_bounds", "k_moments", "welford"):
+        assert torch.equal(getattr(inside, name), getattr(plain, name)), name
+    assert torch.equal(raw[:4], before[:4]) and torch.equal(raw[4 + N * H * P * C:], before[4 + N * H * P * C:])
+
+
+def test_stats_in_pages_validation():
+    from entmaxkv.layout import row_width, stats_in_pages
+
+    C = row_width(4, 6, torch.float16)
+    with pytest.raises(ValueError, match="pages:"):
+        stats_in_pages(torch.zeros(3, 2, 4, C - 1, dtype=torch.float16), 6)  # too narrow
+    with pytest.raises(ValueError, match="pages:"):
+        stats_in_pages(torch.zeros(3, 2, C, 4, dtype=torch.float16).transpose(2, 3), 6)  # rows not contiguous
+    with pytest.raises(ValueError, match="pages:"):
+        stats_in_pages(torch.zeros(3, 2, 4, C, dtype=torch.float64), 6)
+    with pytest.raises(ValueError, match="pages:"):  # float32 words would straddle 4-byte boundaries
+        stats_in_pages(torch.zeros(3 * 2 * 4 * C + 1, dtype=torch.float16)[1:].view(3, 2, 4, C), 6)
+    with pytest.raises(ValueError, match="head_dim"):
+        row_width(4, 5, torch.float16)
+    with pytest.raises(ValueError, match="page_size"):
+        row_width(0, 6, torch.float16)
+    with pytest.raises(ValueError, match="dtype"):
+        row_width(4, 6, torch.int8)
+    assert row_width(16, 128, torch.float16) == 2 * 128 + 64  # statistics: 25% on top of K and V
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_write_nonfinite_key_recomputes_page(backend):
     """A NaN key (no check on this path) leaves the page's min/max NaN-aware
     and its mean/M2 recomputed from the rows, as append(check_finite=False) does."""

@@ -39,7 +39,7 @@ def _stored(x, DTYPE: tl.constexpr):
 def _write_kv_kernel(
     k_ptr, v_ptr, slot_ptr, kp_ptr, vp_ptr, bounds_ptr, mom_ptr, welf_ptr,
     T, NSLOT, stride_kt, stride_kh, stride_vt, stride_vh,
-    skp, skh, skr, svp, svh, svr, sbp, sbh,
+    skp, skh, skr, svp, svh, svr, sbp, sbh, swp, swh,
     P: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     i_t = tl.program_id(0)
@@ -72,7 +72,8 @@ def _write_kv_kernel(
         row0 = tl.sum(tl.where(o_r == 0, rows, 0), axis=0)
         count_i = tl.max(tl.where(m_r, rows, 0), axis=0) + 1  # valid rows after the write
         count = count_i.to(tl.float32)
-        o_b = page * sbp + i_h * sbh  # (min, max) / (mean, M2) / (mean, std) of this page-head
+        o_b = page * sbp + i_h * sbh  # (min, max) / (mean, std) of this page-head
+        o_w = page * swp + i_h * swh  # its running (mean, M2)
         # from scratch: the page's first count rows
         m_p = (o_r < count_i)[:, None] & m_d[None, :]
         # (every comparison in float32: exact for stored values, and the
@@ -93,8 +94,8 @@ def _write_kv_kernel(
         old_max = tl.load(bounds_ptr + o_b + D + o_d, mask=m_d, other=0.0).to(tl.float32)
         st_min = tl.where(fresh, x1, tl.minimum(old_min, x1, propagate_nan=_NAN_ALL))
         st_max = tl.where(fresh, x1, tl.maximum(old_max, x1, propagate_nan=_NAN_ALL))
-        mean = tl.where(fresh, 0.0, tl.load(welf_ptr + o_b + o_d, mask=m_d, other=0.0))
-        m2 = tl.where(fresh, 0.0, tl.load(welf_ptr + o_b + D + o_d, mask=m_d, other=0.0))
+        mean = tl.where(fresh, 0.0, tl.load(welf_ptr + o_w + o_d, mask=m_d, other=0.0))
+        m2 = tl.where(fresh, 0.0, tl.load(welf_ptr + o_w + D + o_d, mask=m_d, other=0.0))
         delta = x1 - mean
         mean = mean + tl.div_rn(delta, count)
         m2 = m2 + delta * (x1 - mean)
@@ -109,8 +110,8 @@ def _write_kv_kernel(
         std = tl.sqrt_rn(tl.div_rn(tl.maximum(new_m2, 0.0, propagate_nan=_NAN_ALL), count))
         tl.store(bounds_ptr + o_b + o_d, new_min, mask=m_d)
         tl.store(bounds_ptr + o_b + D + o_d, new_max, mask=m_d)
-        tl.store(welf_ptr + o_b + o_d, new_mean, mask=m_d)
-        tl.store(welf_ptr + o_b + D + o_d, new_m2, mask=m_d)
+        tl.store(welf_ptr + o_w + o_d, new_mean, mask=m_d)
+        tl.store(welf_ptr + o_w + D + o_d, new_m2, mask=m_d)
         tl.store(mom_ptr + o_b + o_d, _stored(new_mean, kp_ptr.dtype.element_ty), mask=m_d)
         tl.store(mom_ptr + o_b + D + o_d, _stored(std, kp_ptr.dtype.element_ty), mask=m_d)
 
@@ -121,24 +122,25 @@ def write_kv(kv, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -
     (int32/int64 [T] on the device; < 0 skips) and update the touched pages'
     statistics. One launch; no host synchronisation, no allocation.
 
-    ``kv.k_bounds``, ``kv.k_moments`` and ``kv.welford`` must share their
-    strides (the cache's and ``PagedKV.from_buffers``' do)."""
+    ``kv.k_bounds`` and ``kv.k_moments`` must share their strides; each of
+    them and ``kv.welford`` must have contiguous (pair, head_dim) axes (the
+    cache's and ``PagedKV.from_buffers``' buffers do; so do the views an
+    engine carves out of its pages)."""
     T = slot_mapping.shape[0]
     if T == 0:
         return
     H, P, D = kv.kv_heads, kv.page_size, kv.head_dim
     (skp, skh, skr), (svp, svh, svr) = kv.k_pages.stride()[:3], kv.v_pages.stride()[:3]
-    sb = kv.k_bounds.stride()
-    for name in ("k_moments", "welford"):
-        if getattr(kv, name).stride() != sb:
-            raise ValueError(f"kv.{name}: expected the strides of kv.k_bounds {sb}, got "
-                             f"{getattr(kv, name).stride()}")
-    if sb[2] != D or sb[3] != 1:
-        raise ValueError(f"kv.k_bounds: expected contiguous (pair, head_dim) axes, got strides {sb}")
+    sb, sw = kv.k_bounds.stride(), kv.welford.stride()
+    if kv.k_moments.stride() != sb:
+        raise ValueError(f"kv.k_moments: expected the strides of kv.k_bounds {sb}, got {kv.k_moments.stride()}")
+    for name, st in (("k_bounds", sb), ("welford", sw)):
+        if st[2] != D or st[3] != 1:
+            raise ValueError(f"kv.{name}: expected contiguous (pair, head_dim) axes, got strides {st}")
     _write_kv_kernel[(T, H)](
         k, v, slot_mapping, kv.k_pages, kv.v_pages, kv.k_bounds, kv.k_moments, kv.welford,
         T, kv.num_pages * P, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        skp, skh, skr, svp, svh, svr, sb[0], sb[1],
+        skp, skh, skr, svp, svh, svr, sb[0], sb[1], sw[0], sw[1],
         P=P, D=D, BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(D),
         num_warps=4 if P * D >= 2048 else 2, enable_fp_fusion=False,
     )
