@@ -19,10 +19,37 @@ from .attention import attend, selection_mask
 from .cache import PagedKVCache
 from .gaussian import normal_icdf, pooled_moments, solve_tau_hat
 from .scoring import PageLayout, bound_slack, gaussian_stats, page_layout, quest_bounds
-from ._checks import as_int, describe
+from ._checks import as_bool, as_choice, as_float, as_int, describe
 from .limits import SOFTMAX_BELOW, check_alpha, effective_alpha
 from .types import POLICIES, Certified, Full, Gaussian, Policy, Selection, TopK  # noqa: F401 (re-exported)
 from .types import check_policy_fields
+
+
+POLICY_NAMES = ("full", "topk", "gaussian", "certified")
+
+
+def make_policy(name: str, *, budget: int = 1024, q_max: float = 0.995, margin: float = 0.0,
+                pooled: bool = False, seed_budget: Optional[int] = None):
+    """A policy from command-line style settings.
+
+    name: "full", "topk" (``budget`` tokens), "gaussian" (``q_max``,
+    ``margin``, ``pooled``) or "certified" (seeded by TopK(``seed_budget`` or
+    ``budget``)). Every setting is checked whichever policy is named
+    (ValueError naming it).
+    """
+    name = as_choice(name, "name", POLICY_NAMES)
+    budget = as_int(budget, "budget", lo=1)
+    q_max = as_float(q_max, "q_max", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+    margin = as_float(margin, "margin", lo=0.0)
+    pooled = as_bool(pooled, "pooled")
+    seed_budget = budget if seed_budget is None else as_int(seed_budget, "seed_budget", lo=1)
+    if name == "full":
+        return Full()
+    if name == "topk":
+        return TopK(budget=budget)
+    if name == "gaussian":
+        return Gaussian(q_max=q_max, margin=margin, pooled=pooled)
+    return Certified(seed=TopK(budget=seed_budget))
 
 
 def check_policy(policy, *, alpha: float, page_size: int) -> None:

@@ -21,11 +21,10 @@ from .._checks import (as_bool, as_choice, as_dtype, as_float, as_int, describe,
                        int_flag)
 from ..backend import BACKENDS
 from ..cache import PagedKVCache
-from ..policies import Certified, Full, Gaussian, TopK, check_policy
+from ..policies import POLICY_NAMES, Certified, Full, Gaussian, TopK, check_policy, make_policy  # noqa: F401
 from .lm import TransformerLM
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-POLICY_NAMES = ("full", "topk", "gaussian", "certified")
 # torch.Generator.manual_seed takes seeds in [0, 2**64).
 SEED_MAX = 2**64 - 1
 
@@ -55,30 +54,6 @@ def _check_tokens(tokens, name: str, shape: tuple, vocab: int) -> torch.Tensor:
         raise ValueError(f"{name}: expected token ids in [0, {vocab}), got values in "
                          f"[{int(tokens.min())}, {int(tokens.max())}]")
     return tokens
-
-
-def make_policy(name: str, *, budget: int = 1024, q_max: float = 0.995, margin: float = 0.0,
-                pooled: bool = False, seed_budget: Optional[int] = None):
-    """A policy from command-line style settings.
-
-    name: "full", "topk" (``budget`` tokens), "gaussian" (``q_max``,
-    ``margin``, ``pooled``) or "certified" (seeded by TopK(``seed_budget`` or
-    ``budget``)). Every setting is checked whichever policy is named
-    (ValueError naming it).
-    """
-    name = as_choice(name, "name", POLICY_NAMES)
-    budget = as_int(budget, "budget", lo=1)
-    q_max = as_float(q_max, "q_max", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
-    margin = as_float(margin, "margin", lo=0.0)
-    pooled = as_bool(pooled, "pooled")
-    seed_budget = budget if seed_budget is None else as_int(seed_budget, "seed_budget", lo=1)
-    if name == "full":
-        return Full()
-    if name == "topk":
-        return TopK(budget=budget)
-    if name == "gaussian":
-        return Gaussian(q_max=q_max, margin=margin, pooled=pooled)
-    return Certified(seed=TopK(budget=seed_budget))
 
 
 class DecodeSession:
