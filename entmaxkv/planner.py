@@ -230,7 +230,7 @@ class Decoder:
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, kv, out: Optional[torch.Tensor] = None, *,
-            return_stats: bool = False):
+            return_stats: bool = False, dense: Optional[bool] = None):
         """Decode one layer of the planned step.
 
         Args:
@@ -243,8 +243,14 @@ class Decoder:
             out: optional [batch, q_heads, head_dim] in q's dtype, last dim
                 contiguous, written in place (else a new tensor).
             return_stats: also return ``DecodeStats`` (new tensors).
+            dense: None: the decoder decides (the certified policy's cost
+                check); True / False: run the dense pass / the policy.
         Returns:
             out, or (out, DecodeStats).
+
+        Inside a caller's CUDA-graph capture the launches go into that
+        capture and the host bookkeeping of the certified cost check is left
+        to the caller: ``replayed(layers, dense)`` after each replay.
         """
         if self._plan is None:
             raise ValueError("run: no plan; call plan(...) (or plan_cache(...)) first")
@@ -262,10 +268,33 @@ class Decoder:
         return_stats = as_bool(return_stats, "return_stats")
         layer = self._layer(kv, block_table, seq_lens)
         lkey = id(kv)
-        dense = self._dense_now(lkey)
-        if self.cuda_graphs and not torch.cuda.is_current_stream_capturing():
+        dense = self._dense_now(lkey) if dense is None else as_bool(dense, "dense")
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.cuda_graphs and not capturing:
             return self._run_graph(q, layer, ids, out, return_stats, dense, lkey)
-        return self._run_direct(q, layer, ids, out, return_stats, dense, lkey)
+        return self._run_direct(q, layer, ids, out, return_stats, dense, lkey, keep_cov=not capturing)
+
+    @property
+    def workspace_grew(self) -> bool:
+        """Whether the last run outgrew the scratch arena (it was replaced:
+        a graph captured before then reads freed memory and must be dropped)."""
+        return self._ws.grew
+
+    def dense_now(self, layers: Sequence) -> bool:
+        """Whether the next step of these layers (their ``run`` objects)
+        should run the dense pass: the certified cost check decided for a
+        whole step (most layers' decision), for a caller that captures all
+        layers in one graph. Always False for other policies."""
+        if not self._switch:
+            return False
+        votes = [self._dense_now(id(kv)) for kv in layers]
+        return 2 * sum(votes) > len(votes)
+
+    def replayed(self, layers: Sequence, dense: bool) -> None:
+        """The caller replayed a captured step that ran these layers (dense
+        or not): do the host bookkeeping their ``run`` calls left out."""
+        for kv in layers:
+            self._after_step(id(kv), dense)
 
     def _run_direct(self, q, layer, ids, out, return_stats, dense, lkey, *, keep_cov=True):
         self._ws.begin()

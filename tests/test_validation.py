@@ -286,6 +286,8 @@ def _cases():
     add("generate", "keep_logits", BAD_BOOL, gen(keep_logits=...))
     add("generate", "return_stats", BAD_BOOL, gen(return_stats=...))
     add("generate", "stop_token", ["a", 1.5, -1, 256, True], gen(stop_token=...))
+    add("generate", "cuda_graph", BAD_BOOL, gen(cuda_graph=...))
+    add("generate", "prefill_chunk", optional(BAD_INT) + [0, -1], gen(prefill_chunk=...))
 
     logits = torch.randn(2, 16)
     add("sample_next", "logits", [None, torch.randn(16), torch.ones(2, 16, dtype=torch.long)],

@@ -23,6 +23,7 @@ from ..backend import BACKENDS
 from ..cache import PagedKVCache
 from ..policies import POLICY_NAMES, Certified, Full, Gaussian, TopK, check_policy, make_policy  # noqa: F401
 from .lm import TransformerLM
+from .step import ModelStep
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # torch.Generator.manual_seed takes seeds in [0, 2**64).
@@ -233,6 +234,8 @@ def generate(
     keep_logits: bool = False,
     return_stats: bool = False,
     stop_token: Optional[int] = None,
+    cuda_graph: bool = True,
+    prefill_chunk: Optional[int] = None,
 ) -> Generation:
     """Continue each prompt row by ``max_new_tokens`` tokens through EntmaxKV.
 
@@ -244,9 +247,16 @@ def generate(
     Sampling (``temperature`` > 0; 0 is greedy) uses a CPU generator seeded
     with ``seed`` (an int >= 0; deterministic); see ``sample_next`` for
     ``top_k`` and ``top_p``. ``stop_token``: an id in [0, vocab), stop once
-    every row has produced it. Every argument is checked before any work
+    every row has produced it; a row that stopped earlier is filled with
+    it up to the longest row. Every argument is checked before any work
     (ValueError naming it); the policy against the model's alpha and
     ``page_size``.
+
+    The steps run through ``ModelStep``: on CUDA each step is one replayed
+    CUDA graph (``cuda_graph=False``: eager launches); the prompt goes into
+    the cache through ``prefill_paged`` in chunks of ``prefill_chunk``
+    tokens (default: at once). ``return_stats`` takes the per-layer eager
+    path (``DecodeSession``), which reports every layer's DecodeStats.
     """
     _check_model(model)
     vocab = model.cfg.vocab_size
@@ -264,29 +274,53 @@ def generate(
         stop_token = as_int(stop_token, "stop_token", lo=0, hi=vocab - 1)
     policy = Full() if policy is None else policy
     check_policy(policy, alpha=model.cfg.attn_alpha, page_size=page_size)
+    cuda_graph = as_bool(cuda_graph, "cuda_graph")
+    if prefill_chunk is not None:
+        prefill_chunk = as_int(prefill_chunk, "prefill_chunk", lo=1)
     prompt = _prompt_tensor(prompt, vocab)
     B, T = prompt.shape
-    sess = DecodeSession(model, B, T + max_new_tokens, page_size=page_size,
-                         cache_dtype=cache_dtype, backend=backend)
-    if T > 1:
-        sess.prefill(prompt[:, :-1])
+    if return_stats:
+        sess = DecodeSession(model, B, T + max_new_tokens, page_size=page_size,
+                             cache_dtype=cache_dtype, backend=backend)
+        if T > 1:
+            sess.prefill(prompt[:, :-1])
+        device = sess.device
+
+        def step(tokens):
+            return sess.step(tokens, policy, return_stats=True)
+    else:
+        device = next(model.parameters()).device
+        per_seq = -(-(T + max_new_tokens) // page_size)
+        cache = PagedKVCache(B * per_seq, page_size, model.cfg.n_kv_heads, model.cfg.head_dim, max_seqs=B,
+                             max_pages_per_seq=per_seq, dtype=cache_dtype or next(model.parameters()).dtype,
+                             device=device, num_layers=model.cfg.n_layers)
+        seqs = [cache.allocate() for _ in range(B)]
+        if T > 1:
+            model.prefill_paged(prompt[:, :-1].to(device), cache, seqs, chunk_tokens=prefill_chunk, backend=backend)
+        runner = ModelStep(model, cache, policy, cuda_graph=cuda_graph, backend=backend)
+
+        def step(tokens):
+            return runner.step(tokens, seqs)
     gen = torch.Generator().manual_seed(seed)
-    cur = prompt[:, -1].to(sess.device)
+    cur = prompt[:, -1].to(device)
     out, logits_all, stats = [], [], []
-    done = torch.zeros(B, dtype=torch.bool, device=sess.device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
-        res = sess.step(cur, policy, return_stats=return_stats)
+        res = step(cur)
         logits, st = (res if return_stats else (res, None))
         if return_stats:
             stats.append(st)
         if keep_logits:
-            logits_all.append(logits.float())
+            logits_all.append(logits.float().clone())  # (a graph step reuses its logits buffer)
         cur = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
-        out.append(cur)
         if stop_token is not None:
+            # a finished row keeps stepping (the batch's captured graph has
+            # a fixed shape) but repeats its stop token from then on
+            cur = torch.where(done, torch.full_like(cur, stop_token), cur)
             done |= cur == stop_token
-            if bool(done.all()):
-                break
+        out.append(cur)
+        if stop_token is not None and bool(done.all()):
+            break
     return Generation(
         tokens=torch.stack(out, 1).cpu(),
         logits=torch.stack(logits_all, 1).cpu() if keep_logits else None,
@@ -337,6 +371,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="decode backend (default auto)")
     p.add_argument("--stats", action="store_true", help="print mean coverage and certified fraction")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="run each decode step's launches eagerly (default on CUDA: one replayed graph per step)")
+    p.add_argument("--prefill-chunk", type=POS, default=None,
+                   help="prefill the prompt in chunks of this many tokens (default: at once)")
     add_policy_args(p)
 
 
@@ -390,7 +428,8 @@ def run_generate(args: argparse.Namespace) -> int:
                          pooled=args.pooled)
     g = generate(model, prompt, args.max_new_tokens, policy=policy, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, page_size=args.page_size,
-                 cache_dtype=DTYPES[args.cache_dtype], backend=args.backend, return_stats=args.stats)
+                 cache_dtype=DTYPES[args.cache_dtype], backend=args.backend, return_stats=args.stats,
+                 cuda_graph=not args.no_cuda_graph, prefill_chunk=args.prefill_chunk)
     sys.stdout.write(detok(prompt[0].tolist()) + detok(g.tokens[0].tolist()) + "\n")
     if args.stats and g.stats:
         cov = torch.stack([torch.stack([s.coverage.float().mean() for s in st]) for st in g.stats])

@@ -87,6 +87,16 @@ class ModelConfig:
         slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)] if n else []
         return slopes + [0.0] * (H - n)
 
+    @classmethod
+    def llama8b_shape(cls, *, attention: str = "entmax", alpha: float = 1.5) -> "ModelConfig":
+        """The Llama-3-8B shape, for speed measurements with random weights:
+        32 layers, 32 query / 8 KV heads, head dim 128, RoPE (base 500000),
+        SwiGLU 14336, vocab 128256. The input and output embeddings are
+        tied; a decode step still reads one vocab x d_model matrix, as the
+        8B's separate output head does."""
+        return cls(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                   attention=attention, alpha=alpha, positions="rope", rope_base=500000.0, train_context=8192)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -131,29 +141,32 @@ def causal_attention(
 ) -> torch.Tensor:
     """Full causal attention, the reference for training and prefill.
 
-    q [B, H, T, D]; k, v [B, KV, T, D]; slopes float32 [H]. Score of query i
+    q [B, H, Tq, D]; k, v [B, KV, Tk, D] with Tk >= Tq: the queries are the
+    last Tq of the Tk positions (Tq < Tk: a chunk of a prompt after its
+    cached context); slopes float32 [H]. Score of the query at position i
     on key j <= i: scale * q_i.k_j + slope_h * (j - i). Softmax when
     alpha == 1, else alpha-entmax over each row. ``chunk`` splits the
     queries into blocks (block c only scores keys up to its end), which
-    bounds the [B, H, chunk, T] score tensor for long prefills.
-    Returns [B, H, T, D] in v's dtype.
+    bounds the [B, H, chunk, Tk] score tensor for long prefills.
+    Returns [B, H, Tq, D] in v's dtype.
     """
     B, H, T, D = q.shape
-    KV = k.shape[1]
+    KV, Tk = k.shape[1], k.shape[2]
     G = H // KV
+    off = Tk - T
     chunk = T if chunk is None else max(1, min(chunk, T))
     outs = []
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         C = end - start
         qc = q[:, :, start:end]  # [B, H, C, D]
-        kc, vc = k[:, :, :end], v[:, :, :end]  # [B, KV, end, D]
-        rel = (torch.arange(end, device=q.device)[None, :]
-               - torch.arange(start, end, device=q.device)[:, None])  # [C, end]: j - i
-        bias = slopes.view(H, 1, 1).to(torch.float32) * rel.to(torch.float32)  # [H, C, end]
+        kc, vc = k[:, :, :off + end], v[:, :, :off + end]  # [B, KV, off + end, D]
+        rel = (torch.arange(off + end, device=q.device)[None, :]
+               - torch.arange(off + start, off + end, device=q.device)[:, None])  # [C, off + end]: j - i
+        bias = slopes.view(H, 1, 1).to(torch.float32) * rel.to(torch.float32)  # [H, C, off + end]
         bias = bias.masked_fill(rel > 0, float("-inf"))
         if alpha == 1.0:
-            kr = kc.repeat_interleave(G, dim=1)  # [B, H, end, D]
+            kr = kc.repeat_interleave(G, dim=1)  # [B, H, off + end, D]
             vr = vc.repeat_interleave(G, dim=1)
             o = F.scaled_dot_product_attention(
                 qc, kr, vr, attn_mask=bias.to(qc.dtype)[None], scale=scale
@@ -163,12 +176,33 @@ def causal_attention(
 
             # Grouped scores without repeating K: head h = kv * G + g.
             qg = qc.reshape(B, KV, G * C, D)
-            s = torch.matmul(qg, kc.transpose(-1, -2)).float()  # [B, KV, G*C, end]
-            s = s.view(B, H, C, end) * scale + bias
-            p = entmax(s, alpha, dim=-1)  # [B, H, C, end]
-            o = torch.matmul(p.to(vc.dtype).view(B, KV, G * C, end), vc).view(B, H, C, D)
+            s = torch.matmul(qg, kc.transpose(-1, -2)).float()  # [B, KV, G*C, off + end]
+            s = s.view(B, H, C, off + end) * scale + bias
+            p = entmax(s, alpha, dim=-1)  # [B, H, C, off + end]
+            o = torch.matmul(p.to(vc.dtype).view(B, KV, G * C, off + end), vc).view(B, H, C, D)
         outs.append(o.to(v.dtype))
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alpha: float, scale: float,
+                      slopes: torch.Tensor, chunk: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
+    """``causal_attention`` for inference, without T x T scores on CUDA.
+
+    Same arguments and result. On CUDA (backend "auto" or "triton"):
+    softmax without ALiBi over a whole prompt goes to torch SDPA's causal
+    (flash) kernel; everything else (entmax, ALiBi / NAPE heads, a chunk
+    after cached context) to EntmaxKV's fused Triton prefill kernel. On the
+    CPU, or with backend "reference", the chunked reference runs.
+    """
+    if q.device.type == "cuda" and backend != "reference":
+        nope = not bool((slopes != 0).any())
+        if alpha == 1.0 and nope and q.shape[2] == k.shape[2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        from ..kernels.prefill import causal_attention as fused
+
+        return fused(q, k, v, alpha=alpha, scale=scale, slopes=None if nope else slopes)
+    return causal_attention(q, k, v, alpha=alpha, scale=scale, slopes=slopes, chunk=chunk)
 
 
 class Attention(nn.Module):
@@ -251,9 +285,10 @@ class TransformerLM(nn.Module):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(x), self.embed.weight)  # tied output embedding
 
-    def _attn_full(self, blk: Block, h: torch.Tensor, positions: torch.Tensor, chunk):
+    def _attn_full(self, blk: Block, h: torch.Tensor, positions: torch.Tensor, chunk, fused: bool = False):
         q, k, v = blk.attn.project(h, positions)  # [B, T, H|KV, D]
-        o = causal_attention(
+        attend = prefill_attention if fused else causal_attention
+        o = attend(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             alpha=self.cfg.attn_alpha, scale=self.scale, slopes=self.slopes, chunk=chunk,
         )  # [B, H, T, D]
@@ -280,7 +315,7 @@ class TransformerLM(nn.Module):
         positions = torch.arange(T, device=tokens.device)
         x = self.embed(tokens)
         for blk in self.blocks:
-            a, _, _ = self._attn_full(blk, blk.attn_norm(x), positions, chunk)
+            a, _, _ = self._attn_full(blk, blk.attn_norm(x), positions, chunk, fused=True)
             x = x + a
             x = x + blk.mlp(blk.mlp_norm(x))
         return self._logits(x[:, T - tail:])
@@ -312,13 +347,63 @@ class TransformerLM(nn.Module):
         positions = torch.arange(T, device=tokens.device)
         x = self.embed(tokens)
         for blk, cache in zip(self.blocks, caches):
-            a, k, v = self._attn_full(blk, blk.attn_norm(x), positions, chunk)
+            a, k, v = self._attn_full(blk, blk.attn_norm(x), positions, chunk, fused=True)
             for group in [slots, *copies]:
                 for b, slot in enumerate(group):
                     cache.prefill(slot, k[b], v[b], check_finite=False)  # [T, KV, D]
             x = x + a
             x = x + blk.mlp(blk.mlp_norm(x))
         return self._logits(x if all_logits else x[:, -1])
+
+    @torch.no_grad()
+    def prefill_paged(self, tokens: torch.Tensor, cache, seqs: Sequence[int], *, chunk_tokens: Optional[int] = None,
+                      chunk: Optional[int] = None, backend: str = "auto") -> torch.Tensor:
+        """Run a prompt into a multi-layer ``PagedKVCache`` (``ModelStep``'s cache).
+
+        tokens long [B, T] continue the B sequences ``seqs`` (empty or not:
+        the new tokens take the next positions of each). The prompt goes
+        in chunks of ``chunk_tokens`` tokens (default: all at once): each
+        chunk's K/V are written through ``reserve`` + ``write`` (layer by
+        layer), and its queries attend to the chunk and to everything
+        cached before it, so any chunking gives the same cache and logits
+        (to rounding). Attention: ``prefill_attention`` (no T x T scores on
+        CUDA); ``chunk`` bounds the reference's score blocks on the CPU.
+        Returns the logits of the last position [B, vocab].
+        """
+        from ..prefill import gather_row
+
+        B, T = tokens.shape
+        seqs = list(seqs)
+        if len(seqs) != B:
+            raise ValueError(f"seqs: expected {B} sequence ids (one per row of tokens), got {len(seqs)}")
+        if cache.num_layers != self.cfg.n_layers:
+            raise ValueError(f"cache: expected {self.cfg.n_layers} layers (the model's), got {cache.num_layers}")
+        starts = [cache.length(s) for s in seqs]
+        if len(set(starts)) != 1:
+            raise ValueError(f"seqs: expected sequences of one length (their prompts continue together), got {starts}")
+        C = T if chunk_tokens is None else max(1, min(int(chunk_tokens), T))
+        x = None
+        for c0 in range(0, T, C):
+            c1 = min(T, c0 + C)
+            n0 = starts[0] + c0  # tokens cached before this chunk
+            slots = cache.reserve(seqs, c1 - c0)  # [B * (c1 - c0)], row after row
+            positions = torch.arange(n0, n0 + c1 - c0, device=tokens.device)
+            x = self.embed(tokens[:, c0:c1])
+            for i, blk in enumerate(self.blocks):
+                q, k, v = blk.attn.project(blk.attn_norm(x), positions)  # [B, c, H|KV, D]
+                KV, D = k.shape[2], k.shape[3]
+                cache.write(k.reshape(-1, KV, D), v.reshape(-1, KV, D), slots, layer=i, backend=backend)
+                if n0 == 0:  # (as stored, so that any chunking reads the same keys)
+                    kt, vt = (t.transpose(1, 2).to(cache.dtype).to(q.dtype) for t in (k, v))
+                else:  # the chunk's keys after every cached one, read back from the pages
+                    rows = [gather_row(cache.layer(i), cache.page_ids(s), n0 + c1 - c0) for s in seqs]
+                    kt = torch.stack([r[0] for r in rows]).to(q.dtype)
+                    vt = torch.stack([r[1] for r in rows]).to(q.dtype)
+                o = prefill_attention(q.transpose(1, 2), kt, vt, alpha=self.cfg.attn_alpha, scale=self.scale,
+                                      slopes=self.slopes, chunk=chunk, backend=backend)  # [B, H, c, D]
+                x = x + blk.attn.wo(o.transpose(1, 2).reshape(B, c1 - c0, -1))
+                x = x + blk.mlp(blk.mlp_norm(x))
+        return self._logits(x[:, -1])
 
     @torch.no_grad()
     def decode_step(

@@ -1,0 +1,105 @@
+"""The whole-model decode step on the GPU: graph replays against eager steps.
+
+- ``generate`` with ``cuda_graph=True`` (one replayed graph per step) gives
+  the eager steps' tokens and, to rounding, their logits, for every policy,
+  on the NAPE entmax model and a RoPE softmax model, batch 3;
+- certified gives Full's tokens, through its dense switch too;
+- after the first steps nothing is captured again and a replayed step
+  allocates no device memory;
+- prefill on the GPU (fused kernel / SDPA), one-shot and chunked, gives the
+  reference prefill's logits.
+
+``python -m pytest -m gpu tests/gpu/test_model_step.py`` on the device.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entmaxkv import PagedKVCache
+from entmaxkv.model.generate import generate
+from entmaxkv.model.lm import ModelConfig, TransformerLM
+from entmaxkv.model.step import ModelStep
+from entmaxkv.policies import Certified, Full, Gaussian, TopK
+from entmaxkv.testing import gpu_quick, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+NEW = 16 if gpu_quick() else 48
+
+
+def model(attention, positions, dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=3, n_heads=8, n_kv_heads=4, d_ff=512,
+                      attention=attention, positions=positions)
+    m = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        for blk in m.blocks:
+            blk.attn.wq.weight.mul_(4.0)
+            blk.attn.wk.weight.mul_(4.0)
+    return m.to("cuda", dtype)
+
+
+POLICIES = {"full": Full(), "topk": TopK(64), "gaussian": Gaussian(), "certified": Certified(seed=TopK(64))}
+
+
+@pytest.mark.parametrize("kind", ["nape-entmax", "rope-softmax"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_graph_steps_equal_eager_steps(kind, name):
+    positions, attention = kind.split("-")
+    if attention == "softmax" and name in ("gaussian", "certified"):
+        pytest.skip("entmax policies")
+    m = model(attention, positions)
+    prompt = torch.randint(0, 512, (3, 700), generator=torch.Generator().manual_seed(1))
+    kw = dict(policy=POLICIES[name], page_size=16, keep_logits=True)
+    graph = generate(m, prompt, NEW, cuda_graph=True, **kw)
+    eager = generate(m, prompt, NEW, cuda_graph=False, **kw)
+    assert torch.equal(graph.tokens, eager.tokens)
+    assert rel_err(graph.logits, eager.logits) < 1e-5
+
+
+def test_certified_equals_full_through_the_dense_switch():
+    m = model("entmax", "nape")
+    prompt = torch.randint(0, 512, (2, 900), generator=torch.Generator().manual_seed(2))
+    full = generate(m, prompt, NEW, policy=Full(), page_size=16)
+    for pol in (Certified(seed=TopK(64)), Certified(seed=TopK(64), dense_above=1e-6, probe_every=4)):
+        assert torch.equal(generate(m, prompt, NEW, policy=pol, page_size=16).tokens, full.tokens)
+
+
+def test_replays_capture_once_and_allocate_nothing():
+    m = model("entmax", "nape", torch.bfloat16)
+    cfg = m.cfg
+    cache = PagedKVCache(400, 16, cfg.n_kv_heads, cfg.head_dim, max_seqs=2, max_pages_per_seq=200,
+                         dtype=torch.bfloat16, device="cuda", num_layers=cfg.n_layers)
+    seqs = [cache.allocate(), cache.allocate()]
+    m.prefill_paged(torch.randint(0, 512, (2, 500), device="cuda"), cache, seqs)
+    run = ModelStep(m, cache, TopK(64))
+    tok = torch.zeros(2, dtype=torch.long, device="cuda")
+    for _ in range(3):
+        run.step(tok, seqs)
+    assert run.graphs() == [(2, False)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(40):  # crosses page boundaries: new pages come from reserve, on the host
+        run.step(tok, seqs)
+    torch.cuda.synchronize()
+    # the host half's small index tensors only (an eager step allocates dozens per layer)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - before <= 40 * 8
+    assert run.graphs() == [(2, False)]
+
+
+@pytest.mark.parametrize("kind", ["nape-entmax", "rope-softmax", "nape-softmax"])
+def test_gpu_prefill_equals_reference(kind):
+    positions, attention = kind.split("-")
+    m = model(attention, positions)
+    prompt = torch.randint(0, 512, (2, 1500), generator=torch.Generator().manual_seed(3)).cuda()
+    ref = m.prefill_logits(prompt, tail=1, chunk=256)  # (fused on CUDA) against the CPU reference below
+    cpu = m.to("cpu").prefill_logits(prompt.cpu(), tail=1, chunk=256)
+    m = m.to("cuda")
+    assert rel_err(ref[:, 0].cpu(), cpu[:, 0]) < 1e-4
+    for chunk in (None, 512):
+        cache = PagedKVCache(400, 16, m.cfg.n_kv_heads, m.cfg.head_dim, max_seqs=2, max_pages_per_seq=200,
+                             dtype=torch.float32, device="cuda", num_layers=m.cfg.n_layers)
+        seqs = [cache.allocate(), cache.allocate()]
+        got = m.prefill_paged(prompt, cache, seqs, chunk_tokens=chunk)
+        assert rel_err(got.cpu(), cpu[:, 0]) < 1e-4
