@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from .harness import run_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,11 +145,7 @@ def main(argv=None):
     if args.out:
         import transformers
 
-        meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                "torch": torch.__version__, "transformers": transformers.__version__,
-                "python": platform.python_version(),
-                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "command": "python -m benchmarks.bench_hf " + " ".join(sys.argv[1:] if argv is None else argv)}
+        meta = run_meta("benchmarks.bench_hf", argv, device, transformers=transformers.__version__)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_hf.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import platform
+import sys
 import time
+from datetime import datetime, timezone
 
 import torch
 
@@ -100,3 +103,11 @@ def time_graph(g, flush, warmup, reps, warm_ms=0.0):
     torch.cuda.synchronize()
     ts = sorted(e0.elapsed_time(e1) for e0, e1 in evs)
     return ts[len(ts) // 2], ts
+
+
+def run_meta(module: str, argv, device: torch.device, **extra) -> dict:
+    """What a result file records about its run: the GPU (or "cpu"), the
+    versions, the date and the exact command (``python -m <module> ...``)."""
+    return {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv), **extra}

@@ -1,0 +1,378 @@
+"""Whole-model generation speed: tokens per second of the project's model (a script, GPU).
+
+For each model, batch and prompt length, in one process:
+
+- ours: the prompt prefilled into a paged cache (``prefill_paged``, timed),
+  then every policy decoding greedily through ``ModelStep`` (one replayed
+  CUDA graph per step): ``--steps`` timed steps after ``--warmup`` (which
+  include the capture), each timed with CUDA events around the whole call
+  (host half + replay), median;
+- ``full``: our dense paged kernel in the same captured model (the strongest
+  dense decode: the targets are against it);
+- ``sdpa_static``: the same model with a contiguous static KV cache and torch
+  SDPA decode, the whole step captured in a CUDA graph (what gpt-fast does);
+  softmax (on the entmax twin a timing reference only), run after ours once
+  the paged cache is freed.
+
+Each row carries its end-to-end bytes floor at ``--bandwidth`` (weights +
+page statistics read + selected K/V, from one eager step's DecodeStats; for
+SDPA the weights and the whole static cache) and its ratio to it.
+
+Models: ``twin`` (the entmax twin, checkpoints/entmax; prompts are test-split
+text, so the selections see real activations), ``llama8b``
+(``ModelConfig.llama8b_shape``, random bf16 weights; top-k and Full at
+alpha 1.5, Quest = top-k at alpha 1), ``tiny`` (a small random model for a
+CPU dry run).
+
+    python -m benchmarks.bench_generate --out benchmarks/results
+    python -m benchmarks.bench_generate --suite llama8b --lengths 32768 --batches 1
+    python -m benchmarks.bench_generate --suite tiny --device cpu --lengths 64 --steps 3 --warmup 1   # dry run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from entmaxkv import PagedKVCache
+from entmaxkv.model.lm import ModelConfig, TransformerLM, prefill_attention
+from entmaxkv.model.step import ModelStep
+from entmaxkv.policies import Certified, Full, Gaussian, TopK
+
+from .harness import run_meta
+
+SUITES = {
+    # suite: (methods, [(batch, lengths)])
+    "twin": (["full", "topk1024", "gaussian", "certified", "sdpa_static"],
+             [(1, [16384, 131072, 1048576]), (4, [16384, 131072])]),
+    "llama8b": (["full", "topk1024", "quest1024", "sdpa_static"], [(1, [32768, 131072, 524288])]),
+    "tiny": (["full", "topk1024", "gaussian", "certified", "quest1024", "sdpa_static"], [(1, [64]), (2, [64])]),
+}
+METHODS = {
+    # name: (alpha, policy); alpha None: the model's own
+    "full": (None, Full()),
+    "topk1024": (None, TopK(1024)),
+    "quest1024": (1.0, TopK(1024)),
+    "gaussian": (None, Gaussian()),
+    "certified": (None, Certified(seed=TopK(1024))),
+}
+
+
+# ----------------------------------------------------------------- models
+def build_model(suite: str, device, checkpoint: str) -> TransformerLM:
+    if suite == "twin":
+        from entmaxkv.model.checkpoint import load_model
+
+        return load_model(checkpoint, device=device).eval()
+    cfg = ModelConfig.llama8b_shape() if suite == "llama8b" else ModelConfig(
+        vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, positions="nape")
+    dtype = torch.bfloat16 if suite == "llama8b" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        return TransformerLM(cfg).to(dtype).eval()
+
+
+def prompt_tokens(suite: str, B: int, n: int, vocab: int) -> torch.Tensor:
+    """long [B, n]: test-split text for the twin (repeated past the split's end), random ids otherwise."""
+    if suite == "twin":
+        from entmaxkv.model.data import load_split
+
+        stream = torch.as_tensor(load_split("test").astype("int64"))
+        reps = -(-(B * n) // len(stream))
+        return stream.repeat(reps)[: B * n].view(B, n)
+    return torch.randint(0, vocab, (B, n), generator=torch.Generator().manual_seed(n))
+
+
+def set_alpha(model: TransformerLM, alpha):
+    """Run the model's attention at ``alpha`` (1: softmax; None: as it is);
+    returns the old (attention, alpha) to put back."""
+    old = (model.cfg.attention, model.cfg.alpha)
+    if alpha is not None:
+        model.cfg.attention, model.cfg.alpha = ("softmax", old[1]) if alpha == 1.0 else ("entmax", alpha)
+    return old
+
+
+# ----------------------------------------------------------------- timing
+class Clock:
+    """Per-call device time: CUDA events around the call on CUDA, wall time elsewhere."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, call) -> float:
+        if self.cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            call()
+            e1.record()
+            e1.synchronize()
+            return e0.elapsed_time(e1)
+        t0 = time.perf_counter()
+        call()
+        return (time.perf_counter() - t0) * 1e3
+
+    def wall(self, call) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = call()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def floor_bytes_paged(model, stats, cache, method: str) -> int:
+    """Bytes one step must read: weights, the page statistics the selection
+    reads (none for Full), the selected K and V (from DecodeStats)."""
+    total = param_bytes(model)
+    it = torch.tensor([], dtype=cache.dtype).element_size()
+    KV, D = cache.kv_heads, cache.head_dim
+    for st in stats:
+        tokens = st.tokens_read.float().mean(-1).sum().item()  # per row, over its heads, summed over rows
+        total += int(tokens * KV * D * 2 * it)
+        if method != "full":
+            pages = sum(-(-int(n) // cache.page_size) for n in cache.seq_lens.tolist())
+            total += pages * KV * 2 * D * it
+    return total
+
+
+# ----------------------------------------------------------------- dense baseline
+class StaticSDPA:
+    """The model with a contiguous static KV cache [B, KV, max_len, D] per
+    layer and torch SDPA decode (softmax), the whole step in one CUDA graph."""
+
+    def __init__(self, model: TransformerLM, B: int, max_len: int) -> None:
+        cfg, p = model.cfg, next(model.parameters())
+        self.model, self.B, self.max_len = model, B, max_len
+        shape = (cfg.n_layers, B, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.tok = torch.zeros(B, dtype=torch.long, device=p.device)
+        self.pos = torch.zeros(B, dtype=torch.long, device=p.device)
+        self.logits = None
+        self.graph = None
+
+    def prefill(self, tokens: torch.Tensor) -> None:
+        m = self.model
+        T = tokens.shape[1]
+        pos = torch.arange(T, device=tokens.device)
+        x = m.embed(tokens)
+        for i, blk in enumerate(m.blocks):
+            q, k, v = blk.attn.project(blk.attn_norm(x), pos)
+            self.k[i, :, :, :T] = k.transpose(1, 2)
+            self.v[i, :, :, :T] = v.transpose(1, 2)
+            o = prefill_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), alpha=1.0,
+                                  scale=m.scale, slopes=m.slopes)
+            x = x + blk.attn.wo(o.transpose(1, 2).reshape(*x.shape[:2], -1))
+            x = x + blk.mlp(blk.mlp_norm(x))
+        self.pos.fill_(T)
+
+    def _body(self) -> torch.Tensor:
+        m = self.model
+        H, KV = m.cfg.n_heads, m.cfg.n_kv_heads
+        x = m.embed(self.tok)[:, None]
+        keys = torch.arange(self.max_len, device=x.device)
+        rel = (keys[None, :] - self.pos[:, None]).to(torch.float32)  # [B, max_len]
+        bias = (m.slopes.view(1, H, 1, 1) * rel[:, None, None, :]).masked_fill(rel[:, None, None, :] > 0, -torch.inf)
+        rows = torch.arange(self.B, device=x.device)
+        for i, blk in enumerate(m.blocks):
+            q, k, v = blk.attn.project(blk.attn_norm(x), self.pos[:, None])  # [B, 1, *, D]
+            self.k[i, rows, :, self.pos] = k[:, 0]
+            self.v[i, rows, :, self.pos] = v[:, 0]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[i], self.v[i], attn_mask=bias.to(q.dtype),
+                                               scale=m.scale, enable_gqa=H != KV)
+            x = x + blk.attn.wo(o.transpose(1, 2).reshape(self.B, 1, -1))
+            x = x + blk.mlp(blk.mlp_norm(x))
+        return m._logits(x[:, 0])
+
+    def step_fn(self, tokens: torch.Tensor):
+        """The call a timer runs: one step on ``tokens``."""
+        return lambda: self.step(tokens)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.tok.copy_(tokens)
+        if self.k.device.type != "cuda":
+            out = self._body()
+        elif self.graph is None:
+            self.logits = self._body()  # warm-up (this step is real)
+            self.graph = torch.cuda.CUDAGraph()
+            self.pos += 1
+            self.tok.copy_(self.logits.argmax(-1))
+            with torch.cuda.graph(self.graph):
+                self.logits = self._body()
+            self.graph.replay()
+            out = self.logits
+        else:
+            self.graph.replay()
+            out = self.logits
+        self.pos += 1
+        return out
+
+
+# ----------------------------------------------------------------- one case
+def run_case(model, suite, B, n, methods, args, clock, bandwidth):
+    device = next(model.parameters()).device
+    cfg = model.cfg
+    prompt = prompt_tokens(suite, B, n, cfg.vocab_size).to(device)
+    rows = []
+    paged_methods = [m for m in methods if m != "sdpa_static"]
+    if paged_methods:
+        total = n + len(paged_methods) * (args.warmup + args.steps + 2)
+        per_seq = -(-total // args.page_size)
+        cache = PagedKVCache(B * per_seq, args.page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=B,
+                             max_pages_per_seq=per_seq, dtype=next(model.parameters()).dtype, device=device,
+                             num_layers=cfg.n_layers)
+        seqs = [cache.allocate() for _ in range(B)]
+        prefill_s, logits = clock.wall(lambda: model.prefill_paged(prompt, cache, seqs,
+                                                                   chunk_tokens=args.prefill_chunk))
+        tok = logits.argmax(-1)
+        for name in paged_methods:
+            alpha, policy = METHODS[name]
+            old = set_alpha(model, alpha)
+            row = {"model": suite, "batch": B, "n": n, "method": name, "prefill_s": prefill_s}
+            try:
+                run = ModelStep(model, cache, policy, cuda_graph=not args.no_cuda_graph)
+                for _ in range(args.warmup):
+                    tok = run.step(tok, seqs).argmax(-1)
+                ts, out = [], {}
+                for _ in range(args.steps):
+                    def call(run=run, tok=tok, out=out):
+                        out["logits"] = run.step(tok, seqs)
+
+                    ts.append(clock.time(call))
+                    tok = out["logits"].argmax(-1)
+                _, stats = run.step(tok, seqs, return_stats=True)
+                ms = statistics.median(ts)
+                floor_ms = floor_bytes_paged(model, stats, cache, name) / bandwidth * 1e3
+                row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms,
+                           graphs=len(run.graphs()), coverage=float(torch.stack([s.coverage.float().mean()
+                                                                                 for s in stats]).mean()))
+            except Exception as exc:  # noqa: BLE001 - recorded; the other methods still run
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                model.cfg.attention, model.cfg.alpha = old
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "sdpa_static" in methods:
+        row = {"model": suite, "batch": B, "n": n, "method": "sdpa_static"}
+        old = set_alpha(model, 1.0)
+        try:
+            base = StaticSDPA(model, B, n + args.warmup + args.steps + 2)
+            row["prefill_s"], _ = clock.wall(lambda: base.prefill(prompt))
+            tok = prompt[:, -1]
+            for _ in range(args.warmup):
+                tok = base.step(tok).argmax(-1)
+            ts = [clock.time(base.step_fn(tok)) for _ in range(args.steps)]
+            ms = statistics.median(ts)
+            floor_ms = (param_bytes(model) + base.k.numel() * base.k.element_size() * 2) / bandwidth * 1e3
+            row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms)
+            del base
+        except Exception as exc:  # noqa: BLE001 - recorded (e.g. out of memory at the longest prompts)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            model.cfg.attention, model.cfg.alpha = old
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    full = next((r for r in rows if r["method"] == "full" and "ms_per_step" in r), None)
+    sdpa = next((r for r in rows if r["method"] == "sdpa_static" and "ms_per_step" in r), None)
+    for r in rows:
+        if "ms_per_step" in r:
+            if full:
+                r["speedup_vs_full"] = full["ms_per_step"] / r["ms_per_step"]
+            if sdpa:
+                r["speedup_vs_sdpa"] = sdpa["ms_per_step"] / r["ms_per_step"]
+    return rows
+
+
+def plot(rows, path):
+    """tokens/s against prompt length, per method, one panel per (model, batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (model, B) in zip(axes[0], panels):
+        sub = [r for r in rows if (r["model"], r["batch"]) == (model, B) and "tokens_per_s" in r]
+        for method in dict.fromkeys(r["method"] for r in sub):
+            pts = sorted((r["n"], r["tokens_per_s"]) for r in sub if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{model}, batch {B}")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("decode tokens/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="twin,llama8b", help=f"comma list of {list(SUITES)}")
+    ap.add_argument("--methods", default=None, help=f"comma list of {list(METHODS) + ['sdpa_static']} "
+                    "(default: the suite's)")
+    ap.add_argument("--lengths", default=None, help="comma list of prompt lengths (default: the suite's)")
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes (default: the suite's)")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per method (>= 1)")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps first, capture included (>= 1)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=32768, help="prefill chunk in tokens")
+    ap.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s of the floor (H200: 4.26e12)")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="eager steps (the host-bound path)")
+    ap.add_argument("--checkpoint", default="checkpoints/entmax", help="the twin checkpoint")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--out", default=None, help="folder for bench_generate.json and .png")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        ap.error("--steps and --warmup must be >= 1")
+    device = torch.device(args.device)
+    clock = Clock(device)
+    rows, t0 = [], time.time()
+    for suite in args.suite.split(","):
+        if suite not in SUITES:
+            ap.error(f"argument --suite: unknown suite {suite!r} (expected one of {list(SUITES)})")
+        methods, cases = SUITES[suite]
+        methods = args.methods.split(",") if args.methods else methods
+        if args.lengths or args.batches:
+            bs = [int(b) for b in args.batches.split(",")] if args.batches else sorted({b for b, _ in cases})
+            ls = [int(n) for n in args.lengths.split(",")] if args.lengths else sorted({n for _, ns in cases
+                                                                                       for n in ns})
+            cases = [(b, ls) for b in bs]
+        model = build_model(suite, device, args.checkpoint)
+        with torch.no_grad():
+            for B, lengths in cases:
+                for n in lengths:
+                    rows += run_case(model, suite, B, n, methods, args, clock, args.bandwidth)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    meta = run_meta("benchmarks.bench_generate", argv, device, bandwidth=args.bandwidth,
+                    seconds=round(time.time() - t0, 1))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_generate.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        plot(rows, os.path.join(args.out, "bench_generate.png"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
