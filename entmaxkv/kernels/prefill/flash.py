@@ -30,7 +30,7 @@ full-block loop starts at the first block that may matter
 the threshold tau, so every skipped key has p = 0) and, for softmax, a
 saving whose skipped weights are each below exp(-drop) times the row's
 largest one. max_j |k_j| per (batch, KV head) comes from
-``_key_norm_kernel``.
+``_prefill_key_norm_kernel``.
 
 _prefill_softmax_kernel: the online softmax (running max, sum and
 accumulator, rescaled by exp2 of the max's change).
@@ -97,7 +97,7 @@ from ..attention.split import _qk
 
 
 @triton.jit
-def _key_norm_kernel(k_ptr, out_ptr, Tk, NBLK, KV, stride_kb, stride_kh, stride_kt,
+def _prefill_key_norm_kernel(k_ptr, out_ptr, Tk, NBLK, KV, stride_kb, stride_kh, stride_kt,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
     """max_j ||k_j|| (float32) over one block of BLOCK_T keys of one (batch,
     KV head), at out[b * KV + h, block]; the launcher reduces the blocks."""

@@ -14,17 +14,19 @@ from typing import Optional, Tuple
 import torch
 
 from ..._checks import as_bool, as_float, as_int, describe
+from ...layout import STORAGE_DTYPES
 from ...limits import POSITION_MAX, check_alpha, effective_alpha
 from .._common import as_slopes, beta_kind, cdiv, dot_flags, interpreting, next_pow2
-from .flash import _key_norm_kernel, _prefill_entmax_kernel, _prefill_softmax_kernel
+from .flash import _prefill_key_norm_kernel, _prefill_entmax_kernel, _prefill_softmax_kernel
 
-__all__ = ["PrefillConfig", "causal_attention", "causal_attention_passes", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["PrefillConfig", "causal_attention", "causal_attention_passes", "head_dim_supported"]
 
-LOG2E = 1.4426950408889634
-# Head dims: multiples of 8 in [16, 256]; those that are not a power of two
-# (24, 40, 48, 80, 96, 112, 192, ...) are padded to the next one in registers.
-SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+def head_dim_supported(D: int) -> bool:
+    """Head dims: multiples of 8 in [16, 256]; those that are not a power of
+    two (24, 40, 48, 80, 96, 112, 192, ...) are padded to the next one in
+    registers."""
+    return 16 <= D <= 256 and D % 8 == 0
 
 
 def _pow2_or_auto(value, name: str, lo: int, hi: int) -> None:
@@ -121,7 +123,7 @@ def _tiles(cfg: PrefillConfig, block_d: int, dtype: torch.dtype, alpha: float) -
 
 
 def _check_tensor(x, name: str, what: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in DTYPES:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in STORAGE_DTYPES:
         raise ValueError(f"{name}: expected a float16/bfloat16/float32 tensor {what}, got {describe(x)}")
     if x.shape[3] and x.stride(3) != 1:
         raise ValueError(f"{name}: expected a contiguous head-dim axis (stride 1), got strides {tuple(x.stride())}")
@@ -135,7 +137,7 @@ def _check(q, k, v, alpha, scale, slopes, config, out):
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         raise ValueError(f"q: expected a CUDA tensor (CPU tensors run only under Triton's interpreter, "
                          f"TRITON_INTERPRET=1), got one on {q.device}")
-    if D not in SUPPORTED_HEAD_DIMS:
+    if not head_dim_supported(D):
         raise ValueError(f"q: expected a head dim D that is a multiple of 8 in [16, 256] (those between powers "
                          f"of two are padded to the next), got D = {D}")
     _check_tensor(k, "k", f"[B={B}, KV, Tk, D={D}]")
@@ -177,7 +179,7 @@ def _key_norms(k: torch.Tensor) -> torch.Tensor:
     block_t = 64
     nblk = cdiv(Tk, block_t)
     part = torch.empty((B * KV, nblk), dtype=torch.float32, device=k.device)
-    _key_norm_kernel[(B * KV, nblk)](
+    _prefill_key_norm_kernel[(B * KV, nblk)](
         k, part, Tk, nblk, KV, k.stride(0), k.stride(1), k.stride(2),
         D=D, BLOCK_D=next_pow2(D), BLOCK_T=block_t, num_warps=4)
     return part.amax(dim=1)
@@ -190,6 +192,7 @@ def _run(q, k, v, alpha, scale, slopes, config, out, record: bool):
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax = alpha == 1.0
+    log2e = math.log2(math.e)  # softmax works in base-2 exponents (exp2)
     block_d = max(16, next_pow2(D))
     bm, bn, warps, stages = _tiles(cfg, block_d, q.dtype, alpha)
     nm = cdiv(Tq, bm)
@@ -209,7 +212,7 @@ def _run(q, k, v, alpha, scale, slopes, config, out, record: bool):
     grid = (B * H * nm,)
     if softmax:
         _prefill_softmax_kernel[grid](
-            q, k, v, out, sl, kmax, scale * LOG2E, LOG2E, cfg.softmax_drop * LOG2E, Tq, Tk, H, H // KV,
+            q, k, v, out, sl, kmax, scale * log2e, log2e, cfg.softmax_drop * log2e, Tq, Tk, H, H // KV,
             *strides, **common)
     else:
         am1 = alpha - 1.0
