@@ -12,7 +12,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
-from . import attention, policies, scoring, write
+from . import attention, policies, scoring, sketch, write
 from .types import Full, Policy, Selection
 
 BACKENDS = ("auto", "reference", "triton")
@@ -65,7 +65,13 @@ class Backend(Protocol):
 
     def safe_bounds(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float,
                     slopes: Optional[torch.Tensor] = None, ws=None) -> torch.Tensor:
-        """Quest bounds plus their rounding slack, float32 [B, HQ, max_pages]: what the certificate compares."""
+        """Quest bounds plus their rounding slack, float32 [B, HQ, max_pages], or where the cache
+        holds key sketches the smaller of that and ``sketch_bounds``: what the certificate compares."""
+
+    def sketch_bounds(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float,
+                      slopes: Optional[torch.Tensor] = None, ws=None) -> torch.Tensor:
+        """Safe page bounds from the cache's per-token key sketches (``cache.sketch`` set), float32
+        [B, HQ, max_pages], rounding allowances included (``entmaxkv.sketch.sketch_bounds``)."""
 
     def candidates(self, q: torch.Tensor, cache, seq_ids: torch.Tensor, sel: Optional[Selection], *,
                    alpha: float, scale: float, slopes: Optional[torch.Tensor] = None, ws=None):
@@ -115,9 +121,10 @@ class ReferenceBackend:
         return scoring.gaussian_stats(q, cache, seq_ids, scale=scale, slopes=slopes)
 
     def safe_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
-        lay = scoring.page_layout(cache, seq_ids)
-        ub = scoring.quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
-        return ub + scoring.bound_slack(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+        return scoring.safe_bounds(q, cache, seq_ids, scale=scale, slopes=slopes)
+
+    def sketch_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
+        return sketch.sketch_bounds(q, cache, seq_ids, scale=scale, slopes=slopes)
 
     def candidates(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, ws=None):
         # the reference lists every kept token

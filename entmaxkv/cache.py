@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from . import sketch as sketch_mod
 from . import stats
 from .layout import STORAGE_DTYPES, PagedKV, PageShape
 
@@ -109,6 +110,17 @@ def _resolve_device(device) -> torch.device:
         return torch.empty(0, device=dev).device
     except Exception as err:  # noqa: BLE001 - re-raised as the documented ValueError
         raise ValueError(f"device={str(dev)!r} is not available: {err}") from None
+
+
+FIT_SAMPLE = 65536  # keys per layer a sketch basis is fitted to
+
+
+def _encode_pages(sk, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sketch codes [T, H, P, m] and radii [T, H, P, 2] of pages of keys [T, H, P, D]."""
+    T, H, P, D = keys.shape
+    codes, radii = sketch_mod.encode(sk, keys.permute(0, 2, 1, 3).reshape(T * P, H, D))
+    return (codes.view(T, P, H, -1).permute(0, 2, 1, 3).contiguous(),
+            radii.view(T, P, H, 2).permute(0, 2, 1, 3).contiguous())
 
 
 class PagedKVCache(PageShape):
@@ -243,6 +255,7 @@ class PagedKVCache(PageShape):
         self.k_bounds, self.k_moments = first.k_bounds, first.k_moments
         self.k_min, self.k_max = first.k_min, first.k_max
         self.k_mean, self.k_std = first.k_mean, first.k_std
+        self.sketch = first.sketch
         self._welford = first.welford
         self._mean32, self._m2 = self._welford[:, :, 0], self._welford[:, :, 1]
         self.block_table, self.seq_lens = block_table, seq_lens
@@ -327,6 +340,8 @@ class PagedKVCache(PageShape):
         for i, lay in enumerate(self._layers):
             for name in ("k_pages", "v_pages", "k_bounds", "k_moments", "welford"):
                 out[f"layer{i}.{name}"] = getattr(lay, name)
+            if lay.sketch is not None:
+                out[f"layer{i}.sketch.codes"], out[f"layer{i}.sketch.radii"] = lay.sketch.codes, lay.sketch.radii
         out["block_table"], out["seq_lens"] = self.block_table, self.seq_lens
         return out
 
@@ -592,6 +607,10 @@ class PagedKVCache(PageShape):
                 (lay.k_pages, (phys, slice(None), row), kl, None),
                 (lay.v_pages, (phys, slice(None), row), vl, None),
             ]
+            if lay.sketch is not None:
+                codes, radii = sketch_mod.encode(lay.sketch, kl)  # [B, H, m], [B, H, 2]
+                writes += [(lay.sketch.codes, (phys, slice(None), row), codes, None),
+                           (lay.sketch.radii, (phys, slice(None), row), radii, None)]
         # Rewriting an existing block-table entry with its own value is
         # harmless and avoids a data-dependent mask.
         self._commit(writes + [
@@ -693,6 +712,67 @@ class PagedKVCache(PageShape):
         from .ops import write_kv
 
         write_kv(self.layer(layer), k, v, slot_mapping, backend=backend)
+
+    def enable_sketches(self, dims: int = 8, bases=None) -> None:
+        """Give every layer per-token key sketches (``entmaxkv.sketch``):
+        the certified policy then bounds pages by their tokens' sketches as
+        well as by their boxes, and every later write keeps them up to date.
+
+        Args:
+            dims: sketch coordinates per token (int8 codes), 1..head_dim;
+                a token then costs dims + 4 bytes per KV head.
+            bases: None to fit each layer's basis (per KV head: mean,
+                leading principal directions, code step) to the keys the
+                cache holds now (at least one token must be stored, e.g.
+                after the prefill); or one (mean [H, D], basis [H, D, dims],
+                step [H, dims]) per layer (``sketch.fit_basis`` gives them).
+                A fit reads an even sample of about FIT_SAMPLE stored
+                keys per layer.
+
+        The stored tokens are encoded at once. Raises ValueError naming
+        ``dims`` or ``bases``; the cache is unchanged on any error.
+        """
+        D, L = self.head_dim, len(self._layers)
+        dims = _positive_int(dims, "dims", upper=D)
+        if bases is None:
+            rows = [s for s in self.active_seqs() if self._lens[s] > 0]
+            if not rows:
+                raise ValueError("bases: None fits the bases to the stored keys, but the cache holds none; "
+                                 "prefill first or pass bases")
+            bases = []
+            total = sum(self._lens[s] for s in rows)
+            every = -(-total // FIT_SAMPLE)  # an even sample bounds the fit's memory
+            for lay in self._layers:
+                keys = torch.cat([self._gather_keys(lay, s)[::every] for s in rows])  # [~FIT_SAMPLE, H, D]
+                bases.append(sketch_mod.fit_basis(keys, dims))
+        else:
+            bases = list(bases) if isinstance(bases, (list, tuple)) else None
+            if bases is None or len(bases) != L:
+                raise ValueError(f"bases: expected None or {L} (mean, basis, step) triples, one per layer")
+        built = []
+        for i, (lay, base) in enumerate(zip(self._layers, bases)):
+            try:
+                mean, basis, step = (t.to(self.device) for t in base)
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"bases[{i}]: expected a (mean, basis, step) triple of tensors") from None
+            if basis.dim() != 3 or tuple(basis.shape[:2]) != (self.kv_heads, D) or basis.shape[2] != dims:
+                raise ValueError(f"bases[{i}]: expected a basis [{self.kv_heads}, {D}, {dims}], got "
+                                 f"{tuple(basis.shape)}")
+            sk = sketch_mod.KeySketch.empty(self.num_pages, self.page_size, mean, basis, step)
+            per = max(1, (1 << 22) // (self.kv_heads * self.page_size * D))  # pages per float64 batch
+            for lo in range(0, self.num_pages, per):
+                codes, radii = _encode_pages(sk, lay.k_pages[lo:lo + per])
+                sk.codes[lo:lo + per] = codes
+                sk.radii[lo:lo + per] = radii
+            built.append(sk)
+        self._layers = tuple(sketch_mod.with_sketch(lay, sk) for lay, sk in zip(self._layers, built))
+        self.sketch = self._layers[0].sketch
+
+    def _gather_keys(self, lay: PagedKV, seq: int) -> torch.Tensor:
+        """The stored keys [n, H, D] of ``seq`` in layer ``lay``."""
+        n = self._lens[seq]
+        pages = torch.tensor(self._pages[seq], dtype=torch.long, device=self.device)
+        return lay.k_pages[pages].permute(0, 2, 1, 3).reshape(-1, self.kv_heads, self.head_dim)[:n]
 
     # ---------------------------------------------------------------- reads
     def gather(self, seq: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -949,6 +1029,10 @@ class PagedKVCache(PageShape):
                 (lay.k_pages, (touched_d,), new_k, old_k),
                 (lay.v_pages, (touched_d,), new_v, None),
             ]
+            if lay.sketch is not None:  # every row of the touched pages (stale rows are masked when read)
+                codes, radii = _encode_pages(lay.sketch, new_k)
+                writes += [(lay.sketch.codes, (touched_d,), codes, None),
+                           (lay.sketch.radii, (touched_d,), radii, None)]
         if need:
             cols = torch.arange(have, total, device=self.device)
             writes.append((self.block_table, (seq_d, cols), fresh_d.to(torch.int32), None))

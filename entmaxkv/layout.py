@@ -20,6 +20,7 @@ M logical pages per row):
     seq_lens           [R]            int32: tokens held by each row
     positions          [R, 2]         int32 (query position, position of the row's first token), or None
     pos_stride         int            positions between consecutive pages of a row (default P)
+    sketch             KeySketch      optional per-token key sketches (entmaxkv.sketch), or None
 
 ``positions`` makes the rows shards of longer sequences (context
 parallelism, ``entmaxkv.distributed``): stored token t of a row sits at
@@ -99,6 +100,7 @@ class PagedKV(PageShape):
     welford: Optional[torch.Tensor] = None
     positions: Optional[torch.Tensor] = None
     pos_stride: Optional[int] = None
+    sketch: Optional[object] = None  # a sketch.KeySketch: per-token key sketches of these pages
 
     # ------------------------------------------------------------ views
     @property

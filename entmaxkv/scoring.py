@@ -155,6 +155,32 @@ def bound_slack(
     return 4.0 * (D + 4) * torch.finfo(dt).eps * mag
 
 
+def safe_bounds(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    seq_ids: torch.Tensor,
+    *,
+    scale: float,
+    slopes: Optional[torch.Tensor] = None,
+    layout: Optional[PageLayout] = None,
+    ub: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """What the certificate compares with a computed threshold, float [B, HQ, M]:
+    the Quest bound plus ``bound_slack`` and, where the cache holds key
+    sketches (``cache.sketch``), the smaller of that and the sketches' safe
+    bound (``entmaxkv.sketch.sketch_bounds``; docs/spec.md §6). ``ub``: the
+    Quest bounds when already computed."""
+    lay = layout if layout is not None else page_layout(cache, seq_ids)
+    if ub is None:
+        ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+    bound = ub + bound_slack(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+    if getattr(cache, "sketch", None) is None:
+        return bound
+    from .sketch import sketch_bounds
+
+    return torch.minimum(bound, sketch_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay))
+
+
 def gaussian_stats(
     q: torch.Tensor,
     cache: PagedKVCache,

@@ -54,6 +54,10 @@ def step_stats(ops: Backend, cache, ids, sel, out, tau, ub, alpha, HQ, q, scale,
     tokens_read = (keep * lay.n_tok[:, None, :]).sum(-1).to(torch.int32)
     coverage = (tokens_read.to(torch.float32) / lay.seq_len[:, None].clamp(min=1).to(torch.float32))
     slack = scoring.bound_slack(q, cache, ids, scale=scale, slopes=slopes, layout=lay)
-    certified = ops.certify(ub, sel, tau, alpha, lay.seq_len, page_size=cache.page_size, slack=slack)
+    if getattr(cache, "sketch", None) is None:
+        certified = ops.certify(ub, sel, tau, alpha, lay.seq_len, page_size=cache.page_size, slack=slack)
+    else:  # the sketches' bounds carry their own allowances
+        bound = torch.minimum(ub + slack, ops.sketch_bounds(q, cache, ids, scale=scale, slopes=slopes))
+        certified = ops.certify(bound, sel, tau, alpha, lay.seq_len, page_size=cache.page_size)
     certified = certified & attention.finite_rows(out, q)
     return DecodeStats(pages_read, tokens_read, coverage, tau.to(torch.float32, copy=True), certified)

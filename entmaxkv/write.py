@@ -26,6 +26,7 @@ import torch
 
 from . import stats
 from .layout import PagedKV
+from .sketch import write_sketch
 
 __all__ = ["write_kv"]
 
@@ -70,3 +71,5 @@ def write_kv(kv: PagedKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
     kv.k_bounds[lp] = bounds
     kv.welford[lp] = welford
     kv.k_moments[lp] = stats.moments(welford, count, kv.dtype)
+    if kv.sketch is not None:
+        write_sketch(kv.sketch, kc, page, row)

@@ -1,6 +1,8 @@
 """TritonBackend: the kernels under the stage contract of ``entmaxkv.backend.Backend``."""
 from __future__ import annotations
 
+import torch
+
 from .attention import attend, candidates, dense_attend
 from .certified import certify, kept_fraction
 from .config import resolve
@@ -47,7 +49,15 @@ class TritonBackend:
         return gaussian_stats(q, cache, seq_ids, scale=scale, slopes=slopes, config=self.config, ws=ws)
 
     def safe_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
-        return bounds_with_slack(q, cache, seq_ids, scale=scale, slopes=slopes, ws=ws)
+        bound = bounds_with_slack(q, cache, seq_ids, scale=scale, slopes=slopes, ws=ws)
+        if getattr(cache, "sketch", None) is None:
+            return bound
+        return torch.minimum(bound, self.sketch_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, ws=ws))
+
+    def sketch_bounds(self, q, cache, seq_ids, *, scale, slopes=None, ws=None):
+        from .sketch import sketch_bounds
+
+        return sketch_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, ws=ws)
 
     def candidates(self, q, cache, seq_ids, sel, *, alpha, scale, slopes=None, ws=None):
         return candidates(q, cache, seq_ids, sel, alpha=alpha, scale=scale, slopes=slopes, config=self.config,

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from .sketch import write_sketch
 
 _NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)
 
@@ -144,3 +145,5 @@ def write_kv(kv, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -
         P=P, D=D, BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(D),
         num_warps=4 if P * D >= 2048 else 2, enable_fp_fusion=False,
     )
+    if getattr(kv, "sketch", None) is not None:  # encode the keys just stored (same mapping)
+        write_sketch(kv, slot_mapping)

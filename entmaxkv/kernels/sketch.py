@@ -1,0 +1,350 @@
+"""Per-token key sketches on the device (Triton twins of ``entmaxkv.sketch``).
+
+Shapes: T tokens of a write, N physical pages, H KV heads, P page size,
+D head dim, m sketch dims, B batch rows, HQ query heads, G = HQ // H,
+M logical pages per block-table row.
+
+* ``_sketch_write_kernel``, grid (T, H): one stored key row -> its m int8
+  codes and two float16 radii, computed in float32 with the reference's
+  rounding allowance (``sketch._encode_slack``) and rounded up when stored,
+  so the radii are never below the exact ones.
+* ``_sketch_bounds_kernel``, grid (B * H, blocks of pages): one program
+  bounds BLOCK_M logical pages of one (batch row, KV head) for all G query
+  heads of the group, reading each token's codes and radii once.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import as_float, describe
+from ..sketch import CODE_MAX, _encode_slack, query_terms
+from ._common import alloc, as_slopes, interpreting, next_pow2, no_positions
+
+__all__ = ["write_sketch", "sketch_bounds"]
+
+# x + 1.5 * 2^23 - 1.5 * 2^23 rounds float32 |x| <= 2^22 to an integer, half to even (torch.round's rule)
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+
+
+# ---------------------------------------------------------------------------
+# jit helpers
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _up_f16(x):
+    """float32 x >= 0 -> float16 rounded toward +inf: +inf beyond float16's
+    range, NaN stays NaN. The cast may round either way (to nearest on the
+    GPU); a result below x is bumped up by one float16 ulp."""
+    y = x.to(tl.float16)
+    below = y.to(tl.float32) < x  # false for NaN
+    bumped = (y.to(tl.uint16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+    return tl.where(below, bumped, y)
+
+
+@triton.jit
+def _codes_of(b_z, b_step, CMAX: tl.constexpr):
+    """round(z / step) clamped to [-CMAX, CMAX] (float32; NaN -> 0, +-inf -> +-CMAX)."""
+    b_u = tl.div_rn(b_z, b_step)
+    b_u = tl.where(b_u != b_u, 0.0, b_u)
+    # clamped before rounding (same result: the ends are integers) so the
+    # rounding trick sees |u| <= 2^22; by tl.where, whose NaN behaviour does
+    # not depend on the backend (no NaN is left anyway)
+    b_u = tl.where(b_u > CMAX, CMAX, tl.where(b_u < -CMAX, -CMAX, b_u))
+    return (b_u + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _sketch_write_kernel(
+    slot_ptr, kp_ptr, mean_ptr, basis_ptr, step_ptr, defect_ptr, codes_ptr, radii_ptr,
+    NSLOT, skp, skh, skr, scp, sch, scr, srp, srh, srr, slack,
+    P: tl.constexpr, D: tl.constexpr, MD: tl.constexpr, CMAX: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_MD: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    slot = tl.load(slot_ptr + i_t).to(tl.int64)
+    # padding (< 0) is skipped; a slot past the pool is never touched (memory safety)
+    if (slot >= 0) & (slot < NSLOT):
+        page = slot // P
+        row = slot % P
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        o_c = tl.arange(0, BLOCK_MD)
+        m_c = o_c < MD
+        b_k = tl.load(kp_ptr + page * skp + i_h * skh + row * skr + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_mu = tl.load(mean_ptr + i_h * D + o_d, mask=m_d, other=0.0)
+        p_q = basis_ptr + i_h * (D * MD) + o_d[:, None] * MD + o_c[None, :]
+        b_q = tl.load(p_q, mask=m_d[:, None] & m_c[None, :], other=0.0)  # [BLOCK_D, BLOCK_MD]
+        b_st = tl.load(step_ptr + i_h * MD + o_c, mask=m_c, other=1.0)
+        defect = tl.load(defect_ptr + i_h)
+
+        b_x = b_k - b_mu  # k - mu (0 on masked lanes)
+        b_z = tl.sum(b_x[:, None] * b_q, axis=0)  # Q^T (k - mu)  [BLOCK_MD]
+        b_c = tl.where(m_c, _codes_of(b_z, b_st, CMAX), 0.0)
+        b_da = tl.where(m_c, b_z - b_c * b_st, 0.0)
+        e_a = tl.sqrt_rn(tl.sum(b_da * b_da, axis=0))
+        b_r = b_x - tl.sum(b_q * b_z[None, :], axis=1)  # off-basis residual  [BLOCK_D]
+        b_r = tl.where(m_d, b_r, 0.0)
+        e_b = tl.sqrt_rn(tl.sum(b_r * b_r, axis=0))
+        z_n = tl.sqrt_rn(tl.sum(tl.where(m_c, b_z * b_z, 0.0), axis=0))
+        k_n = tl.sqrt_rn(tl.sum(b_k * b_k, axis=0))
+        mu_n = tl.sqrt_rn(tl.sum(b_mu * b_mu, axis=0))
+        # the float32 rounding of everything above is what the slack covers
+        sl = slack * (k_n + mu_n)
+        eps_a = e_a + defect * z_n + sl
+        eps_b = e_b + sl
+
+        tl.store(codes_ptr + page * scp + i_h * sch + row * scr + o_c, b_c.to(tl.int8), mask=m_c)
+        p_r = radii_ptr + page * srp + i_h * srh + row * srr
+        tl.store(p_r, _up_f16(eps_a))
+        tl.store(p_r + 1, _up_f16(eps_b))
+
+
+@triton.jit
+def _sketch_bounds_kernel(
+    terms_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, codes_ptr, radii_ptr,
+    mean_ptr, step_ptr, defect_ptr, out_ptr,
+    scale, c_val, c_score, HQ, G, M,
+    scp, sch, scr, srp, srh, srr,
+    H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, MD: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_MD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_m = tl.program_id(1)
+    i_b = i_r // H
+    kvh = i_r % H
+    h0 = kvh * G
+    seq = tl.load(ids_ptr + i_b).to(tl.int64)
+    n = tl.load(lens_ptr + seq)
+
+    # the group's query terms: w [BLOCK_G, BLOCK_MD], then qmu, na, nperp, qn [BLOCK_G]
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < G
+    o_c = tl.arange(0, BLOCK_MD)
+    m_c = o_c < MD
+    p_t = terms_ptr + (i_b * HQ + h0 + o_g).to(tl.int64) * (MD + 4)
+    b_w = tl.load(p_t[:, None] + o_c[None, :], mask=m_g[:, None] & m_c[None, :], other=0.0)
+    b_qmu = tl.load(p_t + MD, mask=m_g, other=0.0)
+    b_na = tl.load(p_t + MD + 1, mask=m_g, other=0.0)
+    b_np = tl.load(p_t + MD + 2, mask=m_g, other=0.0)
+    b_qn = tl.load(p_t + MD + 3, mask=m_g, other=0.0)
+    if HAS_ALIBI:
+        b_sl = tl.load(slopes_ptr + h0 + o_g, mask=m_g, other=0.0)
+    else:
+        b_sl = tl.zeros([BLOCK_G], tl.float32)
+
+    # the KV head's basis terms: step [BLOCK_MD], |mu|, defect
+    b_st = tl.load(step_ptr + kvh * MD + o_c, mask=m_c, other=0.0)
+    o_d = tl.arange(0, BLOCK_D)
+    b_mu = tl.load(mean_ptr + kvh * D + o_d, mask=o_d < D, other=0.0)
+    mu_n = tl.sqrt_rn(tl.sum(b_mu * b_mu, axis=0))
+    defect = tl.load(defect_ptr + kvh)
+
+    # BLOCK_M pages x BLOCK_P rows, flattened page-major
+    o_t = tl.arange(0, BLOCK_M * BLOCK_P)
+    t_row = o_t % BLOCK_P
+    t_lp = i_m * BLOCK_M + o_t // BLOCK_P  # logical page
+    t_pos = t_lp * P + t_row
+    m_t = (t_row < P) & (t_lp < M) & (t_pos < n)
+    t_phys = tl.load(bt_ptr + seq * M + t_lp, mask=m_t, other=0).to(tl.int64)
+    p_c = codes_ptr + t_phys * scp + kvh * sch + t_row * scr
+    b_c = tl.load(p_c[:, None] + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0).to(tl.float32)
+    p_r = radii_ptr + t_phys * srp + kvh * srh + t_row * srr
+    b_ea = tl.load(p_r, mask=m_t, other=0.0).to(tl.float32)
+    b_eb = tl.load(p_r + 1, mask=m_t, other=0.0).to(tl.float32)
+
+    # b_j = scale (qmu + w.c + na eps_a + nperp eps_b) (+ allowances) + slope (p_j - pos_q)
+    b_dot = tl.sum(b_w[:, None, :] * b_c[None, :, :], axis=2)  # [BLOCK_G, BLOCK_T]
+    b_mag = tl.sum(tl.abs(b_w)[:, None, :] * tl.abs(b_c)[None, :, :], axis=2)
+    b_rad = b_na[:, None] * b_ea[None, :] + b_np[:, None] * b_eb[None, :]
+    b_val = b_qmu[:, None] + b_dot + b_rad
+    b_mag = b_mag + tl.abs(b_qmu)[:, None] + b_rad
+    b_cs = b_c * b_st[None, :]
+    b_zq = tl.sqrt_rn(tl.sum(b_cs * b_cs, axis=1))  # |c * step|  [BLOCK_T]
+    b_kn = mu_n + (1.0 + defect) * (b_zq + b_ea) + b_eb  # >= |k_j|
+    b_tok = scale * (b_val + c_val * b_mag)
+    b_mag_s = scale * b_qn[:, None] * b_kn[None, :]
+    if HAS_ALIBI:
+        rel = (t_pos - (n - 1)).to(tl.float32)
+        b_tok += b_sl[:, None] * rel[None, :]
+        b_mag_s += tl.abs(b_sl)[:, None] * (n + 1).to(tl.float32)
+    b_tok += c_score * b_mag_s
+    b_tok = tl.where(m_t[None, :], b_tok, float("-inf"))
+
+    # a page's bound: the max over its valid tokens, NaN if any of them is NaN
+    b_tok3 = tl.reshape(b_tok, (BLOCK_G, BLOCK_M, BLOCK_P))
+    b_nan = tl.reshape((b_tok != b_tok).to(tl.int32), (BLOCK_G, BLOCK_M, BLOCK_P))
+    b_u = tl.max(b_tok3, axis=2)
+    b_u = tl.where(tl.max(b_nan, axis=2) > 0, float("nan"), b_u)
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_out = ((i_b * HQ + h0 + o_g).to(tl.int64) * M)[:, None] + o_m[None, :]
+    tl.store(out_ptr + o_out, b_u, mask=m_g[:, None] & (o_m < M)[None, :])
+
+
+# ---------------------------------------------------------------------------
+# launchers / public functions
+# ---------------------------------------------------------------------------
+
+
+def _f32_up(x: float) -> float:
+    """x as a float32 value rounded up (a kernel's Python float is float32)."""
+    y = np.float32(x)
+    if float(y) < x:
+        y = np.nextafter(y, np.float32(np.inf))
+    return float(y)
+
+
+def _sketch_strides(sk, cache, name: str):
+    """(codes, radii) element strides (page, head, row) after checking the
+    sketch matches the pages of ``cache`` (the argument ``name``, for the
+    errors); the last axis of each must be contiguous."""
+    N, H, P, D = cache.num_pages, cache.kv_heads, cache.page_size, cache.head_dim
+    m = sk.basis.shape[2] if sk.basis.dim() == 3 else -1
+    want = {"mean": (H, D), "basis": (H, D, m), "step": (H, m), "defect": (H,),
+            "codes": (N, H, P, m), "radii": (N, H, P, 2)}
+    for field, shape in want.items():
+        t = getattr(sk, field)
+        if tuple(t.shape) != shape or t.device != cache.k_pages.device:
+            raise ValueError(f"{name}.sketch.{field}: expected shape {shape} on {cache.k_pages.device} "
+                             f"(the pages' heads, page size and head dim), got {describe(t)} on {t.device}")
+    for field in ("mean", "basis", "step", "defect"):
+        t = getattr(sk, field)
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name}.sketch.{field}: expected a contiguous float32 tensor, got {describe(t)}")
+    if sk.codes.dtype != torch.int8 or sk.codes.stride(-1) != 1:
+        raise ValueError(f"{name}.sketch.codes: expected int8 with a contiguous last axis, got {describe(sk.codes)}")
+    if sk.radii.dtype != torch.float16 or sk.radii.stride(-1) != 1:
+        raise ValueError(f"{name}.sketch.radii: expected float16 with a contiguous last axis, "
+                         f"got {describe(sk.radii)}")
+    return sk.codes.stride()[:3], sk.radii.stride()[:3]
+
+
+def write_sketch(kv, slot_mapping: torch.Tensor, ws=None) -> None:
+    """Encode the stored keys at ``slot_mapping`` into ``kv.sketch`` (Triton
+    twin of ``entmaxkv.sketch.write_sketch``; the write paths call it after
+    storing K).
+
+    For every token t with ``slot_mapping[t] >= 0`` (page = slot // P,
+    row = slot % P) and every KV head h, reads the stored key
+    ``kv.k_pages[page, h, row]`` (float16/bfloat16/float32) and writes
+    ``kv.sketch.codes[page, h, row]`` (int8 [m]) and ``kv.sketch.radii[page,
+    h, row]`` (float16 [2], rounded up; +inf past float16's range, NaN for a
+    non-finite key). One launch, grid (T, kv_heads); the mapping is read on
+    the device only (no host synchronisation: graph-capturable).
+
+    Args:
+        kv: a layout.PagedKV (or PagedKVCache) whose ``sketch`` is set.
+        slot_mapping: int32/int64 [T] on the pages' device (< 0: padding).
+        ws: unused (no scratch); taken for a uniform launcher signature.
+    """
+    sk = getattr(kv, "sketch", None)
+    if sk is None:
+        raise ValueError("kv: expected pages with a key sketch (kv.sketch), got none")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1 or slot_mapping.dtype not in (
+            torch.int32, torch.int64) or slot_mapping.device != kv.k_pages.device:
+        raise ValueError(f"slot_mapping: expected an int32/int64 tensor [T] on {kv.k_pages.device}, "
+                         f"got {describe(slot_mapping)}")
+    T = slot_mapping.shape[0]
+    if T == 0:
+        return
+    H, P, D, m = kv.kv_heads, kv.page_size, kv.head_dim, sk.dims
+    if kv.k_pages.stride(-1) != 1:
+        raise ValueError("kv.k_pages: the head_dim axis must be contiguous")
+    (scp, sch, scr), (srp, srh, srr) = _sketch_strides(sk, kv, "kv")
+    skp, skh, skr = kv.k_pages.stride()[:3]
+    bd, bm = next_pow2(D), next_pow2(m)
+    _sketch_write_kernel[(T, H)](
+        slot_mapping, kv.k_pages, sk.mean, sk.basis, sk.step, sk.defect, sk.codes, sk.radii,
+        kv.num_pages * P, skp, skh, skr, scp, sch, scr, srp, srh, srr, _f32_up(_encode_slack(D, m)),
+        P=P, D=D, MD=m, CMAX=CODE_MAX, BLOCK_D=bd, BLOCK_MD=bm,
+        num_warps=8 if bd * bm >= 8192 else 4 if bd * bm >= 2048 else 1,
+    )
+
+
+def _bounds_plan(G: int, P: int, m: int) -> dict:
+    """Block sizes: BLOCK_M pages of BLOCK_P rows, so the [G, tokens, m]
+    products of one program stay within a register budget (larger on the
+    interpreter, where fewer, wider programs run faster)."""
+    bg, bp, bm = next_pow2(G), next_pow2(P), next_pow2(m)
+    budget = 1 << 16 if interpreting() else 8192
+    limit = max(1, min(64, budget // (bg * bp * bm)))
+    return dict(BLOCK_G=bg, BLOCK_P=bp, BLOCK_MD=bm, BLOCK_M=1 << (limit.bit_length() - 1))
+
+
+def sketch_bounds(q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float,
+                  slopes: Optional[torch.Tensor] = None, ws=None) -> torch.Tensor:
+    """Safe upper bound of every logical page's computed scores from its
+    tokens' sketches (Triton twin of ``entmaxkv.sketch.sketch_bounds``: the
+    same formula and allowances, in float32).
+
+    Args:
+        q: [B, q_heads, head_dim] float16/bfloat16/float32/float64 on the
+            cache device (q_heads a multiple of kv_heads).
+        cache: a PagedKVCache or layout.PagedKV whose ``sketch`` is set
+            (no position table).
+        seq_ids: int32/int64 [B] block-table rows, on the cache device.
+        scale: score scale > 0; slopes: optional float [q_heads] ALiBi slopes.
+        ws: a Workspace for the output (None: a new tensor).
+    Returns:
+        float32 [B, q_heads, M] (M = cache.block_table.shape[1]): -inf for
+        pages past a row's length, NaN for a page with a NaN token bound (a
+        non-finite key), +inf where a radius overflowed float16.
+    """
+    sk = getattr(cache, "sketch", None)
+    if sk is None:
+        raise ValueError("cache: expected a cache with per-token key sketches (cache.sketch), got none")
+    no_positions(cache, "sketch_bounds")
+    dev = cache.k_pages.device
+    H, P, D = cache.kv_heads, cache.page_size, cache.head_dim
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (
+            torch.float16, torch.bfloat16, torch.float32, torch.float64) or q.device != dev \
+            or q.shape[2] != D or q.shape[1] % H != 0 or q.shape[1] == 0:
+        raise ValueError(f"q: expected a float tensor [batch, q_heads (a multiple of {H}), {D}] on {dev}, "
+                         f"got {describe(q)}" + (f" on {q.device}" if isinstance(q, torch.Tensor) else ""))
+    B, HQ, _ = q.shape
+    if not isinstance(seq_ids, torch.Tensor) or seq_ids.dim() != 1 or seq_ids.shape[0] != B \
+            or seq_ids.dtype not in (torch.int32, torch.int64) or seq_ids.device != dev:
+        raise ValueError(f"seq_ids: expected an int32/int64 tensor [{B}] on {dev}, got {describe(seq_ids)}"
+                         + (f" on {seq_ids.device}" if isinstance(seq_ids, torch.Tensor) else ""))
+    scale = as_float(scale, "scale", lo=0.0, lo_open=True)
+    if slopes is not None and (not isinstance(slopes, torch.Tensor) or tuple(slopes.shape) != (HQ,)
+                               or not slopes.is_floating_point()):
+        raise ValueError(f"slopes: expected a float tensor [{HQ}] or None, got {describe(slopes)}")
+    bt = cache.block_table
+    if bt.dtype != torch.int32 or bt.dim() != 2 or bt.stride(1) != 1 or bt.stride(0) != bt.shape[1]:
+        raise ValueError("cache.block_table: expected a contiguous int32 table")
+    (scp, sch, scr), (srp, srh, srr) = _sketch_strides(sk, cache, "cache")
+    m = sk.dims
+    G = HQ // H
+    M = bt.shape[1]
+    mem = alloc(ws)
+    out = mem.empty((B, HQ, M), torch.float32, dev)
+    if B == 0 or M == 0:
+        return out
+    terms = query_terms(q, sk, H).contiguous()  # float32 [B, HQ, m + 4], small torch ops (graph-safe)
+    sl = as_slopes(slopes, HQ, dev, ws)
+    cfg = _bounds_plan(G, P, m)
+    eps = torch.finfo(torch.float32).eps  # the reference's allowances at float32
+    grid = (B * H, triton.cdiv(M, cfg["BLOCK_M"]))
+    _sketch_bounds_kernel[grid](
+        terms, sl, seq_ids, cache.seq_lens, bt, sk.codes, sk.radii, sk.mean, sk.step, sk.defect, out,
+        scale, 4.0 * (m + 12) * eps, 4.0 * (D + 4) * eps, HQ, G, M,
+        scp, sch, scr, srp, srh, srr,
+        H=H, P=P, D=D, MD=m, BLOCK_D=next_pow2(D), num_warps=4,
+        HAS_ALIBI=slopes is not None, **cfg,
+    )
+    return out

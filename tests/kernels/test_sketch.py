@@ -1,0 +1,365 @@
+"""Key-sketch kernels (entmaxkv.kernels.sketch) against the reference (entmaxkv.sketch).
+
+Every test draws fresh random inputs from its own seed. The properties that
+matter beyond agreement with the reference: the written radii are never
+below the float64-exact ones (the float32 slack covers the kernel's
+rounding), and every page's bound is >= every valid token's score, on
+random and adversarial keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from entmaxkv import sketch as RS  # noqa: E402
+from entmaxkv.cache import PagedKVCache  # noqa: E402
+from entmaxkv.kernels import sketch as KS  # noqa: E402
+from entmaxkv.kernels.write import write_kv  # noqa: E402
+from entmaxkv.testing import DEVICE, alibi  # noqa: E402
+
+# The interpreter evaluates both sides of tl.where (e.g. inf - inf on masked lanes).
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:overflow encountered:RuntimeWarning")
+
+SCALE = 0.37
+
+
+def _seed(*parts) -> int:
+    """A fixed seed per parameter set (reproducible, unlike hash() of a str)."""
+    return zlib.crc32(repr(parts).encode()) % 10_000
+
+
+def _case(lens, H, G, D, P, m, dtype, seed, *, keys=None, fit=None, slopes=False, sketch=None):
+    """A cache holding ``lens`` tokens (scattered pages), a sketch under a
+    basis fitted to the stored keys (or to ``fit`` [n, H, D]), queries,
+    slopes and the slot mapping of every stored token with padding (-1)
+    slots in between. The sketch starts zeroed: nothing is encoded yet."""
+    gen = torch.Generator().manual_seed(seed)
+    B, n = len(lens), max(lens)
+    k = torch.randn(B, n, H, D, generator=gen) * 1.5 if keys is None else keys
+    v = torch.randn(B, n, H, D, generator=gen)
+    cache, rows = PagedKVCache.from_dense(k, v, list(lens), P, dtype=dtype, spare_pages=2, shuffle=True,
+                                          generator=gen, device=DEVICE, max_seqs=B + 1)
+    if sketch is None:
+        stored = torch.cat([k[b, :lens[b]] for b in range(B)]).to(dtype)
+        mean, basis, step = RS.fit_basis(stored if fit is None else fit, m)
+        sketch = RS.KeySketch.empty(cache.num_pages, P, mean.to(DEVICE), basis.to(DEVICE), step.to(DEVICE))
+    kv = dataclasses.replace(cache.layer(0), sketch=sketch)
+    bt = cache.block_table.cpu().long()
+    slots = [-1]
+    for b, r in enumerate(rows):
+        slots += [int(bt[r, j // P]) * P + j % P for j in range(lens[b])]
+        slots.append(-1 - b)  # any negative slot is padding
+    q = (torch.randn(B, H * G, D, generator=gen) * 1.5).to(dtype)
+    sl = (alibi(H * G) * (1 + torch.rand(H * G, generator=gen))) if slopes else None
+    return SimpleNamespace(
+        cache=cache, kv=kv, sk=sketch, ids=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+        lens=list(lens), slots=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        q=q.to(DEVICE), slopes=None if sl is None else sl.to(DEVICE), H=H, G=G, D=D, P=P, m=m)
+
+
+def _valid(c):
+    """(pages, rows) int64 of the stored tokens (the mapping without padding)."""
+    s = c.slots[c.slots >= 0]
+    return s // c.P, s % c.P
+
+
+def _ref_sketch(c):
+    """A copy of the case's sketch with the reference encoding of every stored token."""
+    sk = dataclasses.replace(c.sk, codes=torch.zeros_like(c.sk.codes), radii=torch.zeros_like(c.sk.radii))
+    pages, rows = _valid(c)
+    RS.write_sketch(sk, c.kv.k_pages[pages, :, rows], pages, rows)
+    return sk
+
+
+def _exact_radii(sk, k, codes):
+    """float64 radii a safe bound needs for keys k [T, H, D] and codes
+    [T, H, m] (no rounding allowance): |z - c step| + defect |z|, |d - Q z|."""
+    mu, Q, step = sk.mean.double(), sk.basis.double(), sk.step.double()
+    d = k.double() - mu
+    z = torch.einsum("thd,hdm->thm", d, Q)
+    e_a = (z - codes.double() * step).norm(dim=-1) + sk.defect.double() * z.norm(dim=-1)
+    e_b = (d - torch.einsum("thm,hdm->thd", z, Q)).norm(dim=-1)
+    return torch.stack((e_a, e_b), -1)
+
+
+def _max_scores(c, slopes):
+    """float64 [B, HQ, M]: each page's largest exact score over its valid
+    tokens, scale q.k + slope (j - pos_q) from the stored keys (-inf past the end)."""
+    B, HQ = c.q.shape[:2]
+    bt = c.cache.block_table.cpu().long()
+    M = bt.shape[1]
+    kp = c.kv.k_pages.cpu().double()
+    sl = torch.zeros(HQ, dtype=torch.float64) if slopes is None else slopes.cpu().double()
+    out = torch.full((B, HQ, M), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        r, n = int(c.ids[b]), c.lens[b]
+        j = torch.arange(n)
+        k = kp[bt[r, j // c.P], :, j % c.P]  # [n, H, D]
+        kq = k.repeat_interleave(c.G, dim=1)  # [n, HQ, D]
+        s = SCALE * torch.einsum("hd,nhd->hn", c.q[b].cpu().double(), kq) + sl[:, None] * (j - (n - 1))
+        for i in range(-(-n // c.P)):
+            out[b, :, i] = s[:, i * c.P:(i + 1) * c.P].amax(-1)
+    return out
+
+
+def _check_safe(bound, c, slopes):
+    """Every page's bound is >= every valid token's score; -inf past the end."""
+    best = _max_scores(c, slopes)
+    valid = torch.isfinite(best)
+    b = bound.cpu().double()
+    assert torch.equal(b[~valid], best[~valid]), "pages past the end must be -inf"
+    ok = b[valid] >= best[valid]
+    assert bool(ok.all()), f"{int((~ok).sum())} unsafe page bounds, worst gap {float((best[valid] - b[valid]).max())}"
+
+
+def _check_radii(c, ref=None):
+    """Kernel codes/radii against the reference encoding and the exact radii."""
+    ref = _ref_sketch(c) if ref is None else ref
+    pages, rows = _valid(c)
+    kc, rc = c.sk.codes[pages, :, rows], ref.codes[pages, :, rows]  # [T, H, m]
+    diff = (kc.int() - rc.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+    kr, rr = c.sk.radii[pages, :, rows].double(), ref.radii[pages, :, rows].double()  # [T, H, 2]
+    k = c.kv.k_pages[pages, :, rows]
+    exact = _exact_radii(c.sk, k, kc)
+    assert bool((kr >= exact).all()), f"radius below exact by {float((exact - kr).max())}"
+    same = (diff == 0).all(-1)[..., None].expand_as(kr)
+    finite = torch.isfinite(rr)
+    ulp = (torch.nextafter(rr.half(), torch.tensor(float("inf"), dtype=torch.float16)).double() - rr)
+    err = (kr - rr).abs()
+    # one float16 step, plus what float32 rounding moves a radius by: the
+    # cancellation in z - c step and d - Q z leaves an absolute error of a
+    # few D u (|k| + |mu|), a fraction of the reference's slack (a radius
+    # near 0 is all rounding)
+    D, m = c.D, c.m
+    slack = RS._encode_slack(D, m) * (k.double().norm(dim=-1) + c.sk.mean.double().norm(dim=-1))[..., None]
+    tol = ulp + slack / 4
+    sel = same & finite
+    assert bool((err[sel] <= tol[sel]).all()), float((err - tol)[sel].max())
+
+    assert torch.equal(torch.isinf(kr[same]), torch.isinf(rr[same]))
+
+
+@pytest.mark.parametrize("dtype,H,D,P,m", [
+    (torch.float16, 2, 32, 4, 4), (torch.bfloat16, 1, 16, 16, 1), (torch.float32, 2, 16, 4, 16),
+    (torch.float16, 1, 24, 16, 8),
+], ids=["f16-d32-m4", "bf16-d16-m1", "f32-d16-m=d", "f16-d24-m8"])
+def test_write_matches_reference(dtype, H, D, P, m):
+    c = _case([5, 18, 11], H, 1, D, P, m, dtype, seed=_seed(dtype, D, m))
+    KS.write_sketch(c.kv, c.slots)
+    _check_radii(c)
+    # padding and slots outside the mapping are never written: the spare pages stay zero
+    touched = torch.zeros(c.cache.num_pages, c.P, dtype=torch.bool, device=DEVICE)
+    pages, rows = _valid(c)
+    touched[pages, rows] = True
+    untouched = ~touched[:, None, :].expand(-1, H, -1)
+    assert not bool(c.sk.codes[untouched].any()) and not bool(c.sk.radii[untouched].any())
+
+
+def test_write_twice_same_bits():
+    c = _case([9, 4], 2, 1, 16, 4, 8, torch.bfloat16, seed=7)
+    KS.write_sketch(c.kv, c.slots.to(torch.int32))
+    codes, radii = c.sk.codes.clone(), c.sk.radii.clone()
+    KS.write_sketch(c.kv, c.slots)
+    assert torch.equal(c.sk.codes, codes)
+    assert torch.equal(c.sk.radii.view(torch.int16), radii.view(torch.int16))
+
+
+def test_write_kv_writes_the_sketch():
+    """The Triton cache write encodes the keys it stores (same mapping, padding skipped)."""
+    c = _case([6, 3], 2, 1, 16, 4, 4, torch.float16, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    T = c.slots.shape[0]
+    k = (torch.randn(T, 2, 16, generator=gen) * 2).to(DEVICE)
+    v = torch.randn(T, 2, 16, generator=gen).to(DEVICE)
+    write_kv(c.kv, k, v, c.slots)
+    pages, rows = _valid(c)
+    keep = c.slots >= 0
+    assert torch.equal(c.kv.k_pages[pages, :, rows], k[keep].to(torch.float16))
+    _check_radii(c)
+    codes, radii = c.sk.codes.clone(), c.sk.radii.clone()
+    KS.write_sketch(c.kv, c.slots)
+    assert torch.equal(c.sk.codes, codes) and torch.equal(c.sk.radii.view(torch.int16), radii.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype,G,D,P,m,slopes", [
+    (torch.float16, 1, 32, 4, 8, False), (torch.bfloat16, 2, 16, 16, 4, True),
+    (torch.float32, 4, 16, 4, 16, True), (torch.float16, 4, 24, 16, 1, False),
+], ids=["f16-g1-m8", "bf16-g2-m4-alibi", "f32-g4-m=d-alibi", "f16-g4-d24-m1"])
+def test_bounds_match_reference_and_are_safe(dtype, G, D, P, m, slopes):
+    c = _case([13, 2, 33, 0], 2, G, D, P, m, dtype, seed=_seed(dtype, G, m), slopes=slopes)
+    KS.write_sketch(c.kv, c.slots)
+    ub = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    ref = RS.sketch_bounds(c.q, c.kv, c.ids.long(), scale=SCALE, slopes=c.slopes)
+    assert ub.dtype == torch.float32 and ub.shape == ref.shape
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ub), fin) and torch.equal(ub[~fin], ref[~fin])
+    assert float(((ub - ref)[fin].abs() / ref[fin].abs().clamp(min=1.0)).max()) < 1e-5
+    _check_safe(ub, c, c.slopes)
+    # float64 queries run as float32 terms, to the same bounds
+    ub64 = KS.sketch_bounds(c.q.double(), c.kv, c.ids.long(), scale=SCALE, slopes=c.slopes)
+    assert float(((ub64 - ref)[fin].abs() / ref[fin].abs().clamp(min=1.0)).max()) < 1e-5
+
+
+def _adversarial(kind, seed):
+    """A case whose keys stress the float32 radii and the bound (see the ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens, H, G, D, P, m, dtype = [10, 7], 1, 2, 32, 4, 4, torch.float32
+    B, n = len(lens), max(lens)
+    fit = None
+    if kind == "offset":  # a large common offset: |mu| >> the keys' spread
+        keys = 300.0 + torch.randn(B, n, H, D, generator=gen) * 0.05
+        dtype = torch.float16
+    elif kind == "near-basis":  # keys on an m-dim affine subspace: e_b is all rounding
+        Q, _ = torch.linalg.qr(torch.randn(D, m, generator=gen, dtype=torch.float64))
+        keys = (40.0 + torch.randn(B, n, H, m, generator=gen, dtype=torch.float64) @ Q.T * 5).float()
+    elif kind == "clamp":  # keys far outside the fitted range: codes clamp at +-127
+        keys = torch.randn(B, n, H, D, generator=gen)
+        fit = keys[0, :4].reshape(-1, H, D) * 0.01
+        keys[1, 3] *= 200.0
+    elif kind == "d128":  # wide heads, large mean, keys far from it
+        D, m = 128, 8
+        keys = torch.randn(B, n, H, D, generator=gen) * 30 + torch.linspace(-500, 500, D)
+        fit = torch.randn(64, H, D, generator=gen) + torch.linspace(-500, 500, D)
+        keys[0, 2] = -keys[0, 2]
+    else:
+        raise AssertionError(kind)
+    return _case(lens, H, G, D, P, m, dtype, seed, keys=keys, fit=fit, slopes=True)
+
+
+@pytest.mark.parametrize("kind", ["offset", "near-basis", "clamp", "d128"])
+def test_adversarial_keys_stay_safe(kind):
+    c = _adversarial(kind, seed=_seed(kind))
+    KS.write_sketch(c.kv, c.slots)
+    pages, rows = _valid(c)
+    if kind == "clamp":
+        assert int(c.sk.codes[pages, :, rows].abs().max()) == RS.CODE_MAX
+    _check_radii(c)
+    ub = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    _check_safe(ub, c, c.slopes)
+    ref = RS.sketch_bounds(c.q, c.kv, c.ids.long(), scale=SCALE, slopes=c.slopes)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ub), fin)
+    assert float(((ub - ref)[fin].abs() / ref[fin].abs().clamp(min=1.0)).max()) < 1e-5
+
+
+def _poke(c, b, j, h, value):
+    """Overwrite stored key j of batch row b, KV head h (all of it) with ``value``."""
+    r = int(c.ids[b])
+    page = int(c.cache.block_table[r, j // c.P])
+    c.kv.k_pages[page, h, j % c.P] = value
+    return j // c.P
+
+
+def test_huge_key_gives_inf_bound():
+    c = _case([9, 6], 2, 2, 16, 4, 4, torch.float32, seed=21, slopes=True)
+    i = _poke(c, 0, 5, 1, 3e6)  # finite in float32, radii far past float16's range
+    KS.write_sketch(c.kv, c.slots)
+    ref = _ref_sketch(c)
+    assert torch.equal(torch.isinf(c.sk.radii), torch.isinf(ref.radii)) and bool(torch.isinf(c.sk.radii).any())
+    ub = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    assert bool((ub[0, 2:4, i] == float("inf")).all())  # the query heads of KV head 1
+    assert bool(torch.isfinite(ub[0, 0:2, i]).all()) and bool(torch.isfinite(ub[1, :, :2]).all())
+    _check_safe(ub, c, c.slopes)
+
+
+def test_nan_key_gives_nan_bound():
+    c = _case([9, 6], 2, 2, 16, 4, 4, torch.float16, seed=22)
+    i = _poke(c, 1, 4, 0, 0.5)
+    r = int(c.ids[1])
+    c.kv.k_pages[int(c.cache.block_table[r, i]), 0, 0, 3] = float("nan")  # token 4 of row 1
+    KS.write_sketch(c.kv, c.slots)
+    ref = _ref_sketch(c)
+    assert torch.equal(torch.isnan(c.sk.radii), torch.isnan(ref.radii)) and int(torch.isnan(c.sk.radii).sum()) == 2
+    assert torch.equal(c.sk.codes, ref.codes)  # the NaN key's codes are 0, as the reference's
+    ub = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE)
+    nan = torch.zeros_like(ub, dtype=torch.bool)
+    nan[1, 0:2, i] = True
+    assert torch.equal(torch.isnan(ub), nan)
+    rb = RS.sketch_bounds(c.q, c.kv, c.ids.long(), scale=SCALE)
+    assert torch.equal(torch.isnan(rb), nan)
+
+
+def test_bad_arguments():
+    c = _case([5, 3], 2, 2, 16, 4, 4, torch.float16, seed=31)
+    KS.write_sketch(c.kv, c.slots)
+    ok = dict(scale=SCALE)
+    with pytest.raises(ValueError, match="^q:"):
+        KS.sketch_bounds(c.q[:, :3], c.kv, c.ids, **ok)  # heads not a multiple of kv_heads
+    with pytest.raises(ValueError, match="^q:"):
+        KS.sketch_bounds(c.q[..., :8], c.kv, c.ids, **ok)
+    with pytest.raises(ValueError, match="^q:"):
+        KS.sketch_bounds(c.q.to(torch.int32), c.kv, c.ids, **ok)
+    with pytest.raises(ValueError, match="^q:"):
+        KS.sketch_bounds(c.q.to("meta"), c.kv, c.ids, **ok)
+    with pytest.raises(ValueError, match="^seq_ids:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids.float(), **ok)
+    with pytest.raises(ValueError, match="^seq_ids:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids[:1], **ok)
+    with pytest.raises(ValueError, match="^scale:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, scale=0.0)
+    with pytest.raises(ValueError, match="^slopes:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=torch.ones(3, device=DEVICE))
+    with pytest.raises(ValueError, match="^cache:.*sketch"):
+        KS.sketch_bounds(c.q, c.cache.layer(0), c.ids, **ok)
+    with pytest.raises(ValueError, match="^cache:.*position"):
+        pos = torch.zeros(c.cache.max_seqs, 2, dtype=torch.int32, device=DEVICE)
+        KS.sketch_bounds(c.q, dataclasses.replace(c.kv, positions=pos), c.ids, **ok)
+    other = RS.KeySketch.empty(c.cache.num_pages + 1, c.P, c.sk.mean, c.sk.basis, c.sk.step)
+    with pytest.raises(ValueError, match="^cache.sketch.codes:"):
+        KS.sketch_bounds(c.q, dataclasses.replace(c.kv, sketch=other), c.ids, **ok)
+    with pytest.raises(ValueError, match="^kv:.*sketch"):
+        KS.write_sketch(c.cache.layer(0), c.slots)
+    with pytest.raises(ValueError, match="^slot_mapping:"):
+        KS.write_sketch(c.kv, c.slots.float())
+
+
+def test_bounds_of_a_cache_object():
+    """A PagedKVCache with sketches (``enable_sketches``) is taken as it is."""
+    c = _case([7, 12], 2, 2, 16, 4, 4, torch.float16, seed=41, slopes=True)
+    c.cache.enable_sketches(dims=4)
+    ub = KS.sketch_bounds(c.q, c.cache, c.ids, scale=SCALE, slopes=c.slopes)
+    ref = RS.sketch_bounds(c.q, c.cache, c.ids.long(), scale=SCALE, slopes=c.slopes)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ub), fin)
+    assert float(((ub - ref)[fin].abs() / ref[fin].abs().clamp(min=1.0)).max()) < 1e-5
+    _check_safe(ub, c, c.slopes)
+
+
+@pytest.mark.parametrize("dtype,G,seed_kind", [(torch.float16, 2, "topk"), (torch.float32, 1, "gaussian")])
+def test_certified_with_sketches_matches_reference(dtype, G, seed_kind):
+    """The Triton certified policy on a cache with sketches (and an ALiBi
+    seed): certified, equal to Full, and it keeps exactly the reference's
+    pages (same seeds, same safe bounds up to rounding far from the cut)."""
+    from entmaxkv import Certified, Full, Gaussian, TopK, decode
+
+    H, D, P = 2, 16, 4
+    gen = torch.Generator().manual_seed(_seed(str(dtype), G, seed_kind))
+    basis = torch.randn(H, 3, D, generator=gen)
+    lens = [70, 33]
+    keys = torch.einsum("bnhr,hrd->bnhd", torch.randn(2, 70, H, 3, generator=gen) * 2, basis) + 1.0
+    vals = torch.randn(2, 70, H, D, generator=gen)
+    cache, rows = PagedKVCache.from_dense(keys, vals, lens, P, dtype=dtype, spare_pages=2, generator=gen,
+                                          device=DEVICE)
+    cache.enable_sketches(dims=4)
+    HQ = H * G
+    q = (torch.randn(2, HQ, D, generator=gen) * 2).to(dtype).to(DEVICE)
+    slopes = torch.tensor([0.0] * G + [0.4] * G, device=DEVICE)  # KV head 1: ALiBi heads only
+    seed = TopK(16) if seed_kind == "topk" else Gaussian(q_max=0.9)
+    pol = Certified(seed=seed, alibi_seed=TopK(8), dense_above=1.0)
+    kw = dict(alpha=1.5, alibi_slopes=slopes, return_stats=True)
+    out, st = decode(q, cache, rows, pol, backend="triton", **kw)
+    ref, st_ref = decode(q, cache, rows, pol, backend="reference", **kw)
+    full = decode(q, cache, rows, Full(), backend="reference", alpha=1.5, alibi_slopes=slopes)
+    assert st.certified.all() and st_ref.certified.all()
+    assert torch.equal(st.tokens_read, st_ref.tokens_read)
+    assert (st.tokens_read < torch.tensor(lens, device=DEVICE)[:, None]).any()  # the sketches left pages out
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.float(), full.float(), atol=tol) and torch.allclose(ref.float(), full.float(), atol=tol)
