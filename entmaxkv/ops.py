@@ -172,16 +172,16 @@ def policy_spec(policy) -> str:
 @functools.lru_cache(maxsize=256)
 def parse_policy(spec: str):
     """The policy ``policy_spec`` wrote: a call of Full / TopK / Gaussian /
-    Certified with literal keyword arguments (a Certified's seed a nested
-    call). Parsed, never evaluated; ValueError naming ``policy`` otherwise."""
+    Certified with literal keyword arguments (a Certified's seeds nested
+    calls, or None). Parsed, never evaluated; ValueError naming ``policy`` otherwise."""
     classes = {cls.__name__: cls for cls in POLICIES.values()}
 
     def build(node):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in classes and not node.args:
             kwargs = {kw.arg: build(kw.value) for kw in node.keywords}
             return classes[node.func.id](**kwargs)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float)):
-            return node.value
+        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, int, float))):
+            return node.value  # None: an unset optional field (Certified.alibi_seed)
         raise ValueError(f"policy: cannot read {ast.unparse(node)!r} in {spec!r}")
 
     try:

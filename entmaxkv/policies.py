@@ -18,7 +18,7 @@ import torch
 from .attention import attend, selection_mask
 from .cache import PagedKVCache
 from .gaussian import normal_icdf, pooled_moments, solve_tau_hat
-from .scoring import PageLayout, bound_slack, gaussian_stats, page_layout, quest_bounds
+from .scoring import PageLayout, gaussian_stats, page_layout, quest_bounds, safe_bounds
 from ._checks import as_bool, as_choice, as_float, as_int, describe
 from .limits import SOFTMAX_BELOW, check_alpha, effective_alpha
 from .types import POLICIES, Certified, Full, Gaussian, Policy, Selection, TopK  # noqa: F401 (re-exported)
@@ -29,12 +29,13 @@ POLICY_NAMES = ("full", "topk", "gaussian", "certified")
 
 
 def make_policy(name: str, *, budget: int = 1024, q_max: float = 0.995, margin: float = 0.0,
-                pooled: bool = False, seed_budget: Optional[int] = None):
+                pooled: bool = False, seed_budget: Optional[int] = None, alibi_seed_budget: Optional[int] = None):
     """A policy from command-line style settings.
 
     name: "full", "topk" (``budget`` tokens), "gaussian" (``q_max``,
     ``margin``, ``pooled``) or "certified" (seeded by TopK(``seed_budget`` or
-    ``budget``)). Every setting is checked whichever policy is named
+    ``budget``), and on heads with ALiBi slopes by TopK(``alibi_seed_budget``)
+    when given). Every setting is checked whichever policy is named
     (ValueError naming it).
     """
     name = as_choice(name, "name", POLICY_NAMES)
@@ -43,13 +44,16 @@ def make_policy(name: str, *, budget: int = 1024, q_max: float = 0.995, margin: 
     margin = as_float(margin, "margin", lo=0.0)
     pooled = as_bool(pooled, "pooled")
     seed_budget = budget if seed_budget is None else as_int(seed_budget, "seed_budget", lo=1)
+    if alibi_seed_budget is not None:
+        alibi_seed_budget = as_int(alibi_seed_budget, "alibi_seed_budget", lo=1)
     if name == "full":
         return Full()
     if name == "topk":
         return TopK(budget=budget)
     if name == "gaussian":
         return Gaussian(q_max=q_max, margin=margin, pooled=pooled)
-    return Certified(seed=TopK(budget=seed_budget))
+    alibi = None if alibi_seed_budget is None else TopK(budget=alibi_seed_budget)
+    return Certified(seed=TopK(budget=seed_budget), alibi_seed=alibi)
 
 
 def check_policy(policy, *, alpha: float, page_size: int) -> None:
@@ -86,6 +90,11 @@ def check_policy(policy, *, alpha: float, page_size: int) -> None:
                 f"policy.seed.budget: expected an int >= page_size ({page_size}), got {policy.seed.budget!r}"
             )
         check_policy(policy.seed, alpha=alpha, page_size=page_size)
+        if policy.alibi_seed is not None:
+            if isinstance(policy.alibi_seed, TopK) and policy.alibi_seed.budget < page_size:
+                raise ValueError(f"policy.alibi_seed.budget: expected an int >= page_size ({page_size}), "
+                                 f"got {policy.alibi_seed.budget!r}")
+            check_policy(policy.alibi_seed, alpha=alpha, page_size=page_size)
 
 
 def forced_pages(policy, lay: PageLayout) -> torch.Tensor:
@@ -207,25 +216,52 @@ def select(
     if isinstance(policy, Certified):
         if ub is None:
             ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
-        seed = select(
-            policy.seed, q, cache, seq_ids, alpha=alpha, scale=scale, slopes=slopes,
-            layout=lay, ub=ub,
-        )
-        seed_mask = selection_mask(seed, M)
-        if seed.sel_heads > S:  # seed per query head, certified per KV head: union
-            seed_mask = seed_mask.view(B, S, -1, M).any(2)
-        elif seed.sel_heads < S:  # seed per KV head, certified per query head: copy
-            seed_mask = seed_mask.repeat_interleave(S // seed.sel_heads, dim=1)
+        seed_mask, seed = _seed_mask(policy, q, cache, seq_ids, lay, S, alpha, scale, slopes, ub)
         _, tau_a = attend(
             q, cache, seq_ids, seed, alpha=alpha, scale=scale, slopes=slopes,
             tau_init=seed.tau_hat, layout=lay,
         )
-        slack = bound_slack(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
-        add = (alpha - 1.0) * (ub + slack) > tau_a[..., None]  # [B, HQ, M]
+        bound = safe_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay, ub=ub)
+        add = (alpha - 1.0) * bound > tau_a[..., None]  # [B, HQ, M]
         add = _by_selection_head(add, S).any(2) & lay.valid[:, None, :]
         return compact(seed_mask | add | forced)
 
     raise ValueError(f"policy: unknown policy {policy!r}")
+
+
+def alibi_heads(slopes: Optional[torch.Tensor], S: int, HQ: int) -> Optional[torch.Tensor]:
+    """bool [S]: selection heads whose query heads all have a positive ALiBi
+    slope (None without slopes)."""
+    if slopes is None:
+        return None
+    return (slopes > 0).view(S, HQ // S).all(1)
+
+
+def _seed_as(sel: Selection, B: int, S: int, M: int) -> torch.Tensor:
+    """bool [B, S, M]: a seed's pages as a mask over S selection heads
+    (union over query heads, or copied to them)."""
+    mask = selection_mask(sel, M)
+    if sel.sel_heads > S:
+        return mask.view(B, S, -1, M).any(2)
+    if sel.sel_heads < S:
+        return mask.repeat_interleave(S // sel.sel_heads, dim=1)
+    return mask
+
+
+def _seed_mask(policy, q, cache, seq_ids, lay, S, alpha, scale, slopes, ub):
+    """The certified policy's seed: (mask [B, S, M], Selection) from ``seed``
+    or, on the heads ``alibi_heads`` marks, from ``alibi_seed``."""
+    B, HQ, _ = q.shape
+    M = lay.n_tok.shape[1]
+    kw = dict(alpha=alpha, scale=scale, slopes=slopes, layout=lay, ub=ub)
+    seed = select(policy.seed, q, cache, seq_ids, **kw)
+    mask = _seed_as(seed, B, S, M)
+    heads = alibi_heads(slopes, S, HQ) if policy.alibi_seed is not None else None
+    if heads is None:
+        return mask, seed
+    other = _seed_as(select(policy.alibi_seed, q, cache, seq_ids, **kw), B, S, M)
+    mask = torch.where(heads[None, :, None], other, mask)
+    return mask, compact(mask)
 
 
 def _select_gaussian(policy, q, cache, seq_ids, lay, forced, S, alpha, scale, slopes):

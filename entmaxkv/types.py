@@ -124,6 +124,9 @@ def check_policy_fields(policy, prefix: str) -> dict:
     elif isinstance(policy, Certified):
         if not isinstance(policy.seed, (TopK, Gaussian)):
             raise ValueError(f"{prefix}.seed: expected a TopK or Gaussian policy, got {describe(policy.seed)}")
+        if policy.alibi_seed is not None and not isinstance(policy.alibi_seed, (TopK, Gaussian)):
+            raise ValueError(f"{prefix}.alibi_seed: expected None or a TopK or Gaussian policy, got "
+                             f"{describe(policy.alibi_seed)}")
         vals["dense_above"] = as_float(policy.dense_above, f"{prefix}.dense_above", lo=0.0, hi=1.0, lo_open=True)
         vals["probe_every"] = as_int(policy.probe_every, f"{prefix}.probe_every", lo=1)
     return vals
@@ -216,6 +219,11 @@ class Certified:
 
     Attributes:
         seed: a TopK or Gaussian policy (default TopK(1024)).
+        alibi_seed: None, or a TopK or Gaussian policy that seeds instead of
+            ``seed`` the selection heads whose query heads all have a
+            positive ALiBi slope: their support sits near the query, so a
+            smaller seed already holds it (e.g. TopK(256) beside TopK(1024)
+            for the heads without a slope). Ignored without slopes.
         sinks, window, per_query_head: as for TopK.
         dense_above: number in (0, 1]: when a step's selection kept more
             than this fraction of the pages, the next steps of that layer run
@@ -232,6 +240,7 @@ class Certified:
     """
 
     seed: Union[TopK, Gaussian] = field(default_factory=lambda: TopK(1024))
+    alibi_seed: Optional[Union[TopK, Gaussian]] = None
     sinks: int = 0
     window: int = 0
     per_query_head: bool = False

@@ -256,7 +256,7 @@ def test_custom_ops_compile():
 
 def test_policy_spec_round_trip():
     for pol in (Full(), TopK(64, sinks=1, window=2), Gaussian(q_max=0.9, margin=0.5, pooled=True),
-                Certified(seed=Gaussian(), per_query_head=True)):
+                Certified(seed=Gaussian(), per_query_head=True), Certified(seed=TopK(64), alibi_seed=TopK(16))):
         assert ops.parse_policy(ops.policy_spec(pol)) == pol
     for bad in ("TopK(budget=__import__('os'))", "os.system('x')", "TopK(", "TopK(budget=0)"):
         with pytest.raises(ValueError, match="policy|budget"):

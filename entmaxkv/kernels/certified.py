@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..policies import alibi_heads
 from ..types import TopK
 from ..types import Selection
 from .config import resolve
@@ -210,25 +211,41 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     NG = HQ // S
     M = cache.block_table.shape[1]
     ids = seq_ids.to(device=q.device, dtype=torch.int32)
-    seed = policy.seed
-    if isinstance(seed, TopK):
-        ubs = alloc(ws).empty((B, HQ, M), torch.float32, q.device)
-        seed_sel = select_topk(q, cache, ids, budget=seed.budget, sinks=seed.sinks, window=seed.window,
-                               per_query_head=seed.per_query_head, scale=scale, slopes=slopes, ub=ubs,
-                               config=cfg, ws=ws)
-    else:
-        from .gaussian import select_gaussian
+    seed_sel, ubs = _seed(policy.seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=True)
+    mask = page_mask(seed_sel, B, S, M, cfg.pdl, ws)  # union over / copy to the certified selection heads
+    heads = alibi_heads(slopes, S, HQ) if policy.alibi_seed is not None else None
+    if heads is not None:  # the ALiBi heads take their own (smaller) seed
+        other, _ = _seed(policy.alibi_seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=False)
+        mask = torch.where(heads[None, :, None], page_mask(other, B, S, M, cfg.pdl, ws), mask)
+        seed_sel = _compact(mask, None, None, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=0, window=0,
+                            add=False, forced=False, pdl=cfg.pdl, ws=ws)
+    if getattr(cache, "sketch", None) is not None:  # the tokens' sketches bound the pages tighter
+        from .sketch import sketch_bounds
 
-        seed_sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=cfg,
-                                   ws=ws)
-        ubs = bounds_with_slack(q, cache, ids, scale=scale, slopes=slopes, ws=ws)
+        ubs = torch.minimum(ubs, sketch_bounds(q, cache, ids, scale=scale, slopes=slopes, ws=ws))
     # tau_A per query head over the seed as selected (per KV group or per query
     # head): any subset gives a valid lower bound on the full-cache tau.
     tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
                           tau_init=seed_sel.tau_hat, config=cfg, ws=ws)
-    mask = page_mask(seed_sel, B, S, M, cfg.pdl, ws)  # union over / copy to the certified selection heads
     return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
                     window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
+
+
+def _seed(seed, q, cache, ids, alpha, scale, slopes, cfg, ws, *, want_ub: bool):
+    """(seed Selection, safe bounds float32 [B, HQ, M] or None): a TopK seed
+    writes the bounds in its own pass; a Gaussian one needs a scoring pass."""
+    B, HQ, _ = q.shape
+    M = cache.block_table.shape[1]
+    if isinstance(seed, TopK):
+        ubs = alloc(ws).empty((B, HQ, M), torch.float32, q.device) if want_ub else None
+        sel = select_topk(q, cache, ids, budget=seed.budget, sinks=seed.sinks, window=seed.window,
+                          per_query_head=seed.per_query_head, scale=scale, slopes=slopes, ub=ubs,
+                          config=cfg, ws=ws)
+        return sel, ubs
+    from .gaussian import select_gaussian
+
+    sel = select_gaussian(seed, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=cfg, ws=ws)
+    return sel, (bounds_with_slack(q, cache, ids, scale=scale, slopes=slopes, ws=ws) if want_ub else None)
 
 
 def kept_fraction(sel: Selection, seq_lens: torch.Tensor, seq_ids: torch.Tensor, page_size: int,
