@@ -11,7 +11,9 @@ cache stored contiguously is timed in the same run.
 Each row: method, batch, n (context length), median ms, bytes moved (page
 metadata read + K/V of the selected pages + outputs), the floor (bytes at
 4.26 TB/s, the H200 copy bandwidth measured here), ratio = ms / floor, and
-coverage (kept tokens / n). Entmax methods read V only for support tokens,
+coverage (kept tokens / n). ``certified_sketch`` runs the certified policy
+over the same cache with per-token key sketches (``enable_sketches``; its
+bytes add every token's sketch). Entmax methods read V only for support tokens,
 so they can beat this floor; ``bytes_entmax`` counts what they really need
 (metadata + selected K + support V + outputs).
 
@@ -68,8 +70,20 @@ METHODS = {
     "entmax_topk4096": (ALPHA, TopK(4096)),
     "gaussian": (ALPHA, Gaussian()),
     "certified": (ALPHA, Certified()),
+    "certified_sketch": (ALPHA, Certified()),  # the same policy over a cache with key sketches
     "sdpa": (1.0, "sdpa"),
 }
+SKETCH_DIMS = 8
+
+
+def sketched(cache):
+    """``cache`` (same pages) with per-token key sketches of SKETCH_DIMS
+    coordinates, basis fitted to a sample of its keys."""
+    import copy
+
+    view = copy.copy(cache)
+    view.enable_sketches(SKETCH_DIMS)
+    return view
 
 
 def make_step(K, method, cache, ids, q, k4, v4, scale, config=None):
@@ -109,6 +123,8 @@ def nbytes(cfg, method, sel, seed_counts=None):
     if pol is None or pol == "sdpa":
         return B * H * n * kv_tok + out, 1.0, None
     meta = B * H * npages * 2 * D * es  # two metadata tensors (min/max or mean/std)
+    if method == "certified_sketch":
+        meta += B * H * n * (SKETCH_DIMS + 4)  # every token's sketch
     counts = sel.counts.to(torch.float64)  # [B, S]
     S = counts.shape[1]
     # per selection row, tokens of the kept pages (every row here has length n)
@@ -233,11 +249,15 @@ def main(argv=None):
         cache, ids, q, k4, v4 = build(cfg)
         print(f"# {cname}: built in {time.time() - t0:.1f}s", flush=True)
         scale = 1.0 / math.sqrt(D)
+        with_sketch = None
         for meth in args.methods.split(","):
+            if meth == "certified_sketch" and with_sketch is None:
+                with_sketch = sketched(cache)
             row = dict(config=cname, method=meth, batch=B, n=n, q_heads=HQ, kv_heads=H, head_dim=D,
                        dtype=str(dtype).replace("torch.", ""), page=P)
             try:
-                step = make_step(K, meth, cache, ids, q, k4, v4, scale, kcfg)
+                c = with_sketch if meth == "certified_sketch" else cache
+                step = make_step(K, meth, c, ids, q, k4, v4, scale, kcfg)
                 g, res = capture(step)
                 ms, ts = time_graph(g, flush, args.warmup, args.reps, args.warm_ms)
                 total, cov, _ = nbytes(cfg, meth, res[1])
@@ -255,7 +275,7 @@ def main(argv=None):
                 row.update(error=f"{type(exc).__name__}: {exc}"[:500])
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del cache, ids, q, k4, v4
+        del cache, with_sketch, ids, q, k4, v4
         torch.cuda.empty_cache()
         if args.out:  # after every configuration, so a time limit keeps what was measured
             os.makedirs(args.out, exist_ok=True)
