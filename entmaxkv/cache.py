@@ -123,6 +123,21 @@ def _encode_pages(sk, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
             radii.view(T, P, H, 2).permute(0, 2, 1, 3).contiguous())
 
 
+def _sketch_append(sk, k: torch.Tensor, phys: torch.Tensor, row: torch.Tensor) -> list:
+    """The writes (for ``PagedKVCache._commit``) that add one token per
+    page: keys k [B, H, D] at rows ``row`` of pages ``phys`` (int64 [B]),
+    their sketches and the pages' summaries over rows 0 .. row."""
+    codes, radii = sketch_mod.encode(sk, k)  # [B, H, m], [B, H, 2]
+    idx = torch.arange(k.shape[0], device=k.device)
+    page_c, page_r = sk.codes[phys], sk.radii[phys]  # [B, H, P, *], copies
+    page_c[idx, :, row] = codes
+    page_r[idx, :, row] = radii
+    box, rad = sketch_mod.page_boxes(page_c, page_r, row + 1)
+    at = (phys, slice(None), row)
+    return [(sk.codes, at, codes, None), (sk.radii, at, radii, None),
+            (sk.page_codes, (phys,), box, None), (sk.page_radii, (phys,), rad, None)]
+
+
 class PagedKVCache(PageShape):
     """A paged key/value cache for decoding, with Quest and Gaussian page stats.
 
@@ -341,7 +356,8 @@ class PagedKVCache(PageShape):
             for name in ("k_pages", "v_pages", "k_bounds", "k_moments", "welford"):
                 out[f"layer{i}.{name}"] = getattr(lay, name)
             if lay.sketch is not None:
-                out[f"layer{i}.sketch.codes"], out[f"layer{i}.sketch.radii"] = lay.sketch.codes, lay.sketch.radii
+                for name in ("codes", "radii", "page_codes", "page_radii"):
+                    out[f"layer{i}.sketch.{name}"] = getattr(lay.sketch, name)
         out["block_table"], out["seq_lens"] = self.block_table, self.seq_lens
         return out
 
@@ -608,9 +624,7 @@ class PagedKVCache(PageShape):
                 (lay.v_pages, (phys, slice(None), row), vl, None),
             ]
             if lay.sketch is not None:
-                codes, radii = sketch_mod.encode(lay.sketch, kl)  # [B, H, m], [B, H, 2]
-                writes += [(lay.sketch.codes, (phys, slice(None), row), codes, None),
-                           (lay.sketch.radii, (phys, slice(None), row), radii, None)]
+                writes += _sketch_append(lay.sketch, kl, phys, row)
         # Rewriting an existing block-table entry with its own value is
         # harmless and avoids a data-dependent mask.
         self._commit(writes + [
@@ -749,6 +763,11 @@ class PagedKVCache(PageShape):
             bases = list(bases) if isinstance(bases, (list, tuple)) else None
             if bases is None or len(bases) != L:
                 raise ValueError(f"bases: expected None or {L} (mean, basis, step) triples, one per layer")
+        valid = torch.zeros(self.num_pages, dtype=torch.long)  # valid rows of each physical page
+        for s in self.active_seqs():
+            for j, page in enumerate(self._pages[s]):
+                valid[page] = min(self.page_size, self._lens[s] - j * self.page_size)
+        valid = valid.to(self.device)
         built = []
         for i, (lay, base) in enumerate(zip(self._layers, bases)):
             try:
@@ -764,6 +783,9 @@ class PagedKVCache(PageShape):
                 codes, radii = _encode_pages(sk, lay.k_pages[lo:lo + per])
                 sk.codes[lo:lo + per] = codes
                 sk.radii[lo:lo + per] = radii
+                box, rad = sketch_mod.page_boxes(codes, radii, valid[lo:lo + per])
+                sk.page_codes[lo:lo + per] = box
+                sk.page_radii[lo:lo + per] = rad
             built.append(sk)
         self._layers = tuple(sketch_mod.with_sketch(lay, sk) for lay, sk in zip(self._layers, built))
         self.sketch = self._layers[0].sketch
@@ -1031,8 +1053,11 @@ class PagedKVCache(PageShape):
             ]
             if lay.sketch is not None:  # every row of the touched pages (stale rows are masked when read)
                 codes, radii = _encode_pages(lay.sketch, new_k)
+                box, rad = sketch_mod.page_boxes(codes, radii, valid_d)
                 writes += [(lay.sketch.codes, (touched_d,), codes, None),
-                           (lay.sketch.radii, (touched_d,), radii, None)]
+                           (lay.sketch.radii, (touched_d,), radii, None),
+                           (lay.sketch.page_codes, (touched_d,), box, None),
+                           (lay.sketch.page_radii, (touched_d,), rad, None)]
         if need:
             cols = torch.arange(have, total, device=self.device)
             writes.append((self.block_table, (seq_d, cols), fresh_d.to(torch.int32), None))

@@ -12,6 +12,7 @@ import dataclasses
 import zlib
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,7 +73,9 @@ def _valid(c):
 
 def _ref_sketch(c):
     """A copy of the case's sketch with the reference encoding of every stored token."""
-    sk = dataclasses.replace(c.sk, codes=torch.zeros_like(c.sk.codes), radii=torch.zeros_like(c.sk.radii))
+    sk = dataclasses.replace(c.sk, codes=torch.zeros_like(c.sk.codes), radii=torch.zeros_like(c.sk.radii),
+                             page_codes=torch.zeros_like(c.sk.page_codes),
+                             page_radii=torch.zeros_like(c.sk.page_radii))
     pages, rows = _valid(c)
     RS.write_sketch(sk, c.kv.k_pages[pages, :, rows], pages, rows)
     return sk
@@ -132,7 +135,7 @@ def _check_radii(c, ref=None):
     assert bool((kr >= exact).all()), f"radius below exact by {float((exact - kr).max())}"
     same = (diff == 0).all(-1)[..., None].expand_as(kr)
     finite = torch.isfinite(rr)
-    ulp = (torch.nextafter(rr.half(), torch.tensor(float("inf"), dtype=torch.float16)).double() - rr)
+    ulp = (torch.nextafter(rr.half(), torch.tensor(float("inf"), dtype=torch.float16, device=rr.device)).double() - rr)
     err = (kr - rr).abs()
     # one float16 step, plus what float32 rounding moves a radius by: the
     # cancellation in z - c step and d - Q z leaves an absolute error of a
@@ -145,6 +148,41 @@ def _check_radii(c, ref=None):
     assert bool((err[sel] <= tol[sel]).all()), float((err - tol)[sel].max())
 
     assert torch.equal(torch.isinf(kr[same]), torch.isinf(rr[same]))
+
+
+def _close(ub, ref):
+    """Kernel bounds against the reference's: the same non-finite values
+    (-inf past the end, NaN, +inf) and the finite ones within 1e-5 relative."""
+    assert ub.dtype == torch.float32 and ub.shape == ref.shape
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ub), fin) and torch.equal(torch.isnan(ub), torch.isnan(ref))
+    nan = torch.isnan(ref)
+    assert torch.equal(ub[~fin & ~nan], ref[~fin & ~nan].float())
+    if bool(fin.any()):
+        assert float(((ub.double() - ref.double())[fin].abs() / ref[fin].double().abs().clamp(min=1.0)).max()) < 1e-5
+
+
+def _same_half(a, b) -> bool:
+    """float16 tensors equal bit for bit, NaN where NaN (whose payload is the backend's)."""
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return torch.equal(na, nb) and torch.equal(a.view(torch.int16)[~na], b.view(torch.int16)[~nb])
+
+
+def _check_summaries(c, slots, before):
+    """Page summaries after writing ``slots``: on the pages written, the
+    reference ``page_boxes`` of the kernel's own token sketches over rows
+    0 .. last written row; elsewhere ``before`` (page_codes, page_radii)."""
+    s = slots[slots >= 0]
+    pages, rows = s // c.P, s % c.P
+    touched, inv = torch.unique(pages, return_inverse=True)
+    valid = torch.zeros_like(touched).scatter_reduce(0, inv, rows + 1, reduce="amax")
+    box, rad = RS.page_boxes(c.sk.codes[touched], c.sk.radii[touched], valid)
+    assert torch.equal(c.sk.page_codes[touched], box)
+    assert _same_half(c.sk.page_radii[touched], rad)
+    other = torch.ones(c.cache.num_pages, dtype=torch.bool, device=DEVICE)
+    other[touched] = False
+    assert torch.equal(c.sk.page_codes[other], before[0][other])
+    assert _same_half(c.sk.page_radii[other], before[1][other])
 
 
 @pytest.mark.parametrize("dtype,H,D,P,m", [
@@ -167,9 +205,11 @@ def test_write_twice_same_bits():
     c = _case([9, 4], 2, 1, 16, 4, 8, torch.bfloat16, seed=7)
     KS.write_sketch(c.kv, c.slots.to(torch.int32))
     codes, radii = c.sk.codes.clone(), c.sk.radii.clone()
+    pc, pr = c.sk.page_codes.clone(), c.sk.page_radii.clone()
     KS.write_sketch(c.kv, c.slots)
     assert torch.equal(c.sk.codes, codes)
     assert torch.equal(c.sk.radii.view(torch.int16), radii.view(torch.int16))
+    assert torch.equal(c.sk.page_codes, pc) and torch.equal(c.sk.page_radii.view(torch.int16), pr.view(torch.int16))
 
 
 def test_write_kv_writes_the_sketch():
@@ -331,6 +371,9 @@ def test_bounds_of_a_cache_object():
     assert torch.equal(torch.isfinite(ub), fin)
     assert float(((ub - ref)[fin].abs() / ref[fin].abs().clamp(min=1.0)).max()) < 1e-5
     _check_safe(ub, c, c.slopes)
+    pb = KS.page_box_bounds(c.q, c.cache, c.ids, scale=SCALE, slopes=c.slopes)
+    _close(pb, RS.page_box_bounds(c.q, c.cache, c.ids.long(), scale=SCALE, slopes=c.slopes))
+    _check_safe(pb, c, c.slopes)
 
 
 @pytest.mark.parametrize("dtype,G,seed_kind", [(torch.float16, 2, "topk"), (torch.float32, 1, "gaussian")])
@@ -363,3 +406,201 @@ def test_certified_with_sketches_matches_reference(dtype, G, seed_kind):
     assert (st.tokens_read < torch.tensor(lens, device=DEVICE)[:, None]).any()  # the sketches left pages out
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.float(), full.float(), atol=tol) and torch.allclose(ref.float(), full.float(), atol=tol)
+
+
+# ---------------------------------------------------------------------------
+# page summaries: written with the token sketches, bounded by page_box_bounds
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,H,P,m,nan", [
+    (torch.float16, 2, 4, 4, False), (torch.bfloat16, 1, 16, 8, True), (torch.float32, 2, 4, 16, True),
+], ids=["f16-p4-m4", "bf16-p16-m8-nan", "f32-p4-m16-nan"])
+def test_page_summaries_match_reference(dtype, H, P, m, nan):
+    """Written in chunks cut mid-page (a prefill, then small steps), with
+    padding between sequences: every write refreshes the pages it touches
+    from rows 0 .. its last row, bit for bit as ``sketch.page_boxes``, over
+    stale summaries (a page's earlier owner), leaving the other pages alone."""
+    c = _case([5, 18, 11, 0], H, 1, 16, P, m, dtype, seed=_seed("summary", dtype, P, m))
+    if nan:
+        i = _poke(c, 1, 6, 0, 0.5)
+        c.kv.k_pages[int(c.cache.block_table[int(c.ids[1]), i]), 0, 6 % P, 2] = float("nan")
+    c.sk.page_codes.fill_(55)
+    c.sk.page_radii.fill_(7.0)
+    start = (c.sk.page_codes.clone(), c.sk.page_radii.clone())
+    T = c.slots.shape[0]
+    cuts = [0, 4, 9, 10, 11, 23, T]
+    for a, b in zip(cuts, cuts[1:]):
+        before = (c.sk.page_codes.clone(), c.sk.page_radii.clone())
+        KS.write_sketch(c.kv, c.slots[a:b])
+        _check_summaries(c, c.slots[a:b], before)
+    _check_summaries(c, c.slots, start)  # each page ends summarised over all its valid rows
+    if nan:
+        page = int(c.cache.block_table[int(c.ids[1]), i])
+        assert bool(torch.isnan(c.sk.page_radii[page, 0]).all())
+        assert int(torch.isnan(c.sk.page_radii).sum()) == 2
+    # one write of the whole mapping gives the same bits
+    pc, pr = c.sk.page_codes.clone(), c.sk.page_radii.clone()
+    KS.write_sketch(c.kv, c.slots)
+    assert torch.equal(c.sk.page_codes, pc) and torch.equal(c.sk.page_radii.view(torch.int16), pr.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype,G,D,P,m,slopes", [
+    (torch.float16, 1, 32, 4, 8, False), (torch.bfloat16, 2, 16, 16, 4, True),
+    (torch.float32, 4, 16, 4, 16, True), (torch.float16, 4, 24, 16, 1, False),
+], ids=["f16-g1-m8", "bf16-g2-m4-alibi", "f32-g4-m=d-alibi", "f16-g4-d24-m1"])
+def test_box_bounds_match_reference_and_are_safe(dtype, G, D, P, m, slopes):
+    c = _case([13, 2, 33, 0], 2, G, D, P, m, dtype, seed=_seed("box", dtype, G, m), slopes=slopes)
+    KS.write_sketch(c.kv, c.slots)
+    pb = KS.page_box_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    ref = RS.page_box_bounds(c.q, c.kv, c.ids.long(), scale=SCALE, slopes=c.slopes)
+    _close(pb, ref)
+    _check_safe(pb, c, c.slopes)
+    # the box holds every token's codes and radii: never below the token-sketch
+    # bound, but for rounding where the two are the same number (a one-token
+    # page; the GPU may contract the two kernels' products differently)
+    tb = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    fin = torch.isfinite(tb)
+    assert torch.equal(torch.isfinite(pb), fin)
+    assert bool((pb[fin] >= tb[fin] - 1e-6 * tb[fin].abs().clamp(min=1.0)).all())
+    assert bool((pb[fin] > tb[fin]).any())  # and looser somewhere
+    # float64 queries run as float32 terms, to the same bounds
+    _close(KS.page_box_bounds(c.q.double(), c.kv, c.ids.long(), scale=SCALE, slopes=c.slopes), ref)
+
+
+def _trace_loads(monkeypatch):
+    """A list that collects the addresses of every lane a Triton-interpreter
+    load reads from now on (None where that is not observable: on the GPU,
+    or an interpreter without this hook)."""
+    if DEVICE != "cpu":
+        return None
+    interp = pytest.importorskip("triton.runtime.interpreter")
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_masked_load"):
+        return None
+    seen, orig = [], builder.create_masked_load
+
+    def load(self, ptrs, mask, other, *args, **kw):
+        addr = np.asarray(ptrs.data)
+        seen.append(addr[np.broadcast_to(np.asarray(mask.data).astype(bool), addr.shape)].ravel())
+        return orig(self, ptrs, mask, other, *args, **kw)
+
+    monkeypatch.setattr(builder, "create_masked_load", load)
+    return seen
+
+
+def _spans(t, index):
+    """[start, end) byte addresses of t[index] (index of the leading axes; the rest contiguous)."""
+    start = t.data_ptr() + sum(i * st for i, st in zip(index, t.stride())) * t.element_size()
+    return start, start + t[index].numel() * t.element_size()
+
+
+@pytest.mark.parametrize("per", ["kv_heads", "q_heads"])
+def test_bounds_on_marked_pages(per, monkeypatch):
+    """sketch_bounds(pages=, base=) is torch.where(mark, min(base, bound),
+    base), and loads no token sketch of a page its group leaves unmarked."""
+    c = _case([13, 2, 33, 0], 2, 2, 16, 4, 4, torch.float16, seed=_seed("marked", per), slopes=True)
+    i = _poke(c, 0, 5, 0, 0.5)
+    c.kv.k_pages[int(c.cache.block_table[int(c.ids[0]), i]), 0, 1, 3] = float("nan")  # a NaN token bound
+    KS.write_sketch(c.kv, c.slots)
+    full = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    box = KS.page_box_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    B, HQ, M = full.shape
+    H, G = c.H, c.G
+    S = H if per == "kv_heads" else HQ
+    gen = torch.Generator().manual_seed(_seed("mask", per))
+    mark = (torch.rand(B, S, M, generator=gen) < 0.4).to(DEVICE)
+    mark[0, 0, i] = True  # the NaN wins over base there, as in torch.minimum
+    base = box - 2.0 * torch.rand(B, HQ, M, generator=gen).to(DEVICE)  # below the token bound at times
+    each = mark.repeat_interleave(HQ // S, dim=1)  # [B, HQ, M]
+    fin = torch.isfinite(full)
+    base[(each & fin).nonzero()[0].unbind()] = float("nan")  # and so does a NaN of base
+    base[(~each & fin).nonzero()[0].unbind()] = float("nan")
+    want = torch.where(each, torch.minimum(base, full), base)
+    assert bool((each & (base < full)).any()) and bool((each & (base > full) & torch.isfinite(full)).any())
+    # all marked, base = +inf: the plain bound
+    inf = torch.full_like(base, float("inf"))
+    ones = torch.ones(B, S, M, dtype=torch.bool, device=DEVICE)
+    torch.testing.assert_close(KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes, pages=ones, base=inf),
+                               full, rtol=0, atol=0, equal_nan=True)
+
+    seen = _trace_loads(monkeypatch)
+    sel = mark if per == "kv_heads" else mark.to(torch.uint8)
+    got = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes, pages=sel, base=base)
+    assert bool(torch.isnan(want[0, 0, i])) and int(torch.isnan(want).sum()) >= 3
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    if seen is None:
+        return
+    monkeypatch.undo()
+    addr = np.concatenate(seen)
+    group = each.view(B, H, G, M).any(2).cpu()  # [B, H, M]: the group's token sketches are read
+    bt = c.cache.block_table.long().cpu()
+    read = {True: 0, False: 0}
+    for b in range(B):
+        for h in range(H):
+            for j in range(-(-c.lens[b] // c.P)):
+                page = int(bt[int(c.ids[b]), j])
+                for t in (c.sk.codes, c.sk.radii):
+                    lo, hi = _spans(t, (page, h))
+                    read[bool(group[b, h, j])] += int(((addr >= lo) & (addr < hi)).sum())
+    assert read[True] > 0 and read[False] == 0, read
+
+
+def test_box_bounds_of_nan_and_huge_keys():
+    """A NaN key makes its page's box bound NaN, a radius past float16 +inf, as the reference."""
+    c = _case([9, 6], 2, 2, 16, 4, 4, torch.float32, seed=23, slopes=True)
+    i = _poke(c, 1, 4, 0, 0.5)
+    c.kv.k_pages[int(c.cache.block_table[int(c.ids[1]), i]), 0, 0, 3] = float("nan")
+    j = _poke(c, 0, 5, 1, 3e6)
+    KS.write_sketch(c.kv, c.slots)
+    pb = KS.page_box_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes)
+    ref = RS.page_box_bounds(c.q, c.kv, c.ids.long(), scale=SCALE, slopes=c.slopes)
+    _close(pb, ref)
+    nan = torch.zeros_like(pb, dtype=torch.bool)
+    nan[1, 0:2, i] = True
+    assert torch.equal(torch.isnan(pb), nan)
+    assert bool((pb[0, 2:4, j] == float("inf")).all())
+
+
+def test_box_bounds_bad_arguments():
+    c = _case([5, 3], 2, 2, 16, 4, 4, torch.float16, seed=32)
+    KS.write_sketch(c.kv, c.slots)
+    ok = dict(scale=SCALE)
+    with pytest.raises(ValueError, match="^q:"):
+        KS.page_box_bounds(c.q[:, :3], c.kv, c.ids, **ok)
+    with pytest.raises(ValueError, match="^seq_ids:"):
+        KS.page_box_bounds(c.q, c.kv, c.ids[:1], **ok)
+    with pytest.raises(ValueError, match="^scale:"):
+        KS.page_box_bounds(c.q, c.kv, c.ids, scale=-1.0)
+    with pytest.raises(ValueError, match="^slopes:"):
+        KS.page_box_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=torch.ones(3, device=DEVICE))
+    with pytest.raises(ValueError, match="^cache:.*sketch"):
+        KS.page_box_bounds(c.q, c.cache.layer(0), c.ids, **ok)
+    with pytest.raises(ValueError, match="^cache:.*position"):
+        pos = torch.zeros(c.cache.max_seqs, 2, dtype=torch.int32, device=DEVICE)
+        KS.page_box_bounds(c.q, dataclasses.replace(c.kv, positions=pos), c.ids, **ok)
+    bad = dataclasses.replace(c.sk, page_codes=c.sk.page_codes[:, :, :1])
+    with pytest.raises(ValueError, match="^cache.sketch.page_codes:"):
+        KS.page_box_bounds(c.q, dataclasses.replace(c.kv, sketch=bad), c.ids, **ok)
+    bad = dataclasses.replace(c.sk, page_radii=c.sk.page_radii.float())
+    with pytest.raises(ValueError, match="^cache.sketch.page_radii:"):
+        KS.page_box_bounds(c.q, dataclasses.replace(c.kv, sketch=bad), c.ids, **ok)
+    # the page mask of sketch_bounds
+    B, HQ, M = c.q.shape[0], c.q.shape[1], c.cache.block_table.shape[1]
+    mark = torch.ones(B, 2, M, dtype=torch.bool, device=DEVICE)
+    base = torch.zeros(B, HQ, M, device=DEVICE)
+    with pytest.raises(ValueError, match="^base:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, pages=mark, **ok)  # base is required with pages
+    with pytest.raises(ValueError, match="^base:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, base=base, **ok)  # and only taken with them
+    with pytest.raises(ValueError, match="^base:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, pages=mark, base=base.half(), **ok)
+    with pytest.raises(ValueError, match="^base:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, pages=mark, base=base[:, :, :1], **ok)
+    with pytest.raises(ValueError, match="^pages:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, pages=mark.float(), base=base, **ok)
+    with pytest.raises(ValueError, match="^pages:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, pages=torch.ones(B, 3, M, dtype=torch.bool, device=DEVICE), base=base,
+                         **ok)  # S neither kv_heads nor q_heads
+    with pytest.raises(ValueError, match="^pages:"):
+        KS.sketch_bounds(c.q, c.kv, c.ids, pages=mark[:, :, :1], base=base, **ok)
