@@ -11,6 +11,7 @@ selects for each query head separately.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -214,17 +215,10 @@ def select(
         return _select_gaussian(policy, q, cache, seq_ids, lay, forced, S, alpha, scale, slopes)
 
     if isinstance(policy, Certified):
-        if ub is None:
-            ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
-        seed_mask, seed = _seed_mask(policy, q, cache, seq_ids, lay, S, alpha, scale, slopes, ub)
-        _, tau_a = attend(
-            q, cache, seq_ids, seed, alpha=alpha, scale=scale, slopes=slopes,
-            tau_init=seed.tau_hat, layout=lay,
-        )
-        bound = safe_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay, ub=ub)
-        add = (alpha - 1.0) * bound > tau_a[..., None]  # [B, HQ, M]
+        parts = certified_parts(policy, q, cache, seq_ids, lay, S, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
+        add = (alpha - 1.0) * parts.bound > parts.tau_a[..., None]  # [B, HQ, M]
         add = _by_selection_head(add, S).any(2) & lay.valid[:, None, :]
-        return compact(seed_mask | add | forced)
+        return compact(parts.seed | add | forced)
 
     raise ValueError(f"policy: unknown policy {policy!r}")
 
@@ -262,6 +256,58 @@ def _seed_mask(policy, q, cache, seq_ids, lay, S, alpha, scale, slopes, ub):
     other = _seed_as(select(policy.alibi_seed, q, cache, seq_ids, **kw), B, S, M)
     mask = torch.where(heads[None, :, None], other, mask)
     return mask, compact(mask)
+
+
+@dataclass
+class CertifiedParts:
+    """The certified policy's intermediate results (one layer, one step).
+
+    seed: bool [B, S, M] the seed's pages; tau_a: float [B, HQ] the exact
+    threshold over them; bound: float [B, HQ, M] the safe page bound the
+    augmentation compares with tau_a; sketched: bool [B, S, M] the pages
+    whose token sketches were read (None without sketches).
+    """
+
+    seed: torch.Tensor
+    tau_a: torch.Tensor
+    bound: torch.Tensor
+    sketched: Optional[torch.Tensor]
+
+
+def certified_parts(policy, q, cache, seq_ids, lay, S, *, alpha, scale, slopes, ub=None) -> CertifiedParts:
+    """Seed, tau_A and the safe bound of the certified policy (docs/spec.md §5, §6).
+
+    Without sketches the bound is Quest's plus its slack. With sketches
+    (``cache.sketch``) no page box is read: the page summaries bound every
+    page (and rank a top-k seed); token sketches are read only for pages
+    outside the seed whose summary bound clears tau_A, and there the bound
+    is the smaller of the two.
+    """
+    if getattr(cache, "sketch", None) is None:
+        if ub is None:
+            ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+        seed_mask, seed = _seed_mask(policy, q, cache, seq_ids, lay, S, alpha, scale, slopes, ub)
+        tau_a = _seed_tau(q, cache, seq_ids, seed, lay, alpha, scale, slopes)
+        bound = safe_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay, ub=ub, sketches=False)
+        return CertifiedParts(seed_mask, tau_a, bound, None)
+    from .sketch import page_box_bounds, sketch_bounds
+
+    pb = page_box_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+    seed_mask, seed = _seed_mask(policy, q, cache, seq_ids, lay, S, alpha, scale, slopes, pb)
+    tau_a = _seed_tau(q, cache, seq_ids, seed, lay, alpha, scale, slopes)
+    clears = (alpha - 1.0) * pb > tau_a[..., None]
+    sketched = _by_selection_head(clears, S).any(2) & ~seed_mask & lay.valid[:, None, :]
+    tb = sketch_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
+    per_head = sketched.repeat_interleave(q.shape[1] // S, dim=1)
+    bound = torch.where(per_head, torch.minimum(pb, tb), pb)
+    return CertifiedParts(seed_mask, tau_a, bound, sketched)
+
+
+def _seed_tau(q, cache, seq_ids, seed: Selection, lay, alpha, scale, slopes) -> torch.Tensor:
+    """tau_A [B, HQ] over the seed's pages: a lower bound on the full tau."""
+    _, tau_a = attend(q, cache, seq_ids, seed, alpha=alpha, scale=scale, slopes=slopes, tau_init=seed.tau_hat,
+                      layout=lay)
+    return tau_a
 
 
 def _select_gaussian(policy, q, cache, seq_ids, lay, forced, S, alpha, scale, slopes):

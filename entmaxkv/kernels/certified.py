@@ -190,6 +190,11 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
                      config=None, ws=None) -> Selection:
     """Certified selection (Triton): seed, tau over the seed, one augmentation.
 
+    On a cache with key sketches (``cache.sketch``) the page summaries bound
+    every page and rank a top-k seed, and token sketches are read only for
+    pages outside the seed whose summary bound clears tau over the seed
+    (``policies.certified_parts`` is the reference).
+
     Args:
         policy: entmaxkv.policies.Certified (seed TopK or Gaussian), alpha > 1.
         q: [batch, q_heads, head_dim]; cache; seq_ids int [batch]; scale; slopes.
@@ -211,31 +216,48 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     NG = HQ // S
     M = cache.block_table.shape[1]
     ids = seq_ids.to(device=q.device, dtype=torch.int32)
-    seed_sel, ubs = _seed(policy.seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=True)
+    sketched = getattr(cache, "sketch", None) is not None
+    pb = None
+    if sketched:  # page summaries bound (and rank) every page; no page box is read
+        from .sketch import page_box_bounds
+
+        pb = page_box_bounds(q, cache, ids, scale=scale, slopes=slopes, ws=ws)
+    seed_sel, ubs = _seed(policy.seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=not sketched, rank=pb)
     mask = page_mask(seed_sel, B, S, M, cfg.pdl, ws)  # union over / copy to the certified selection heads
     heads = alibi_heads(slopes, S, HQ) if policy.alibi_seed is not None else None
     if heads is not None:  # the ALiBi heads take their own (smaller) seed
-        other, _ = _seed(policy.alibi_seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=False)
+        other, _ = _seed(policy.alibi_seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=False, rank=pb)
         mask = torch.where(heads[None, :, None], page_mask(other, B, S, M, cfg.pdl, ws), mask)
         seed_sel = _compact(mask, None, None, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=0, window=0,
                             add=False, forced=False, pdl=cfg.pdl, ws=ws)
-    if getattr(cache, "sketch", None) is not None:  # the tokens' sketches bound the pages tighter
-        from .sketch import sketch_bounds
-
-        ubs = torch.minimum(ubs, sketch_bounds(q, cache, ids, scale=scale, slopes=slopes, ws=ws))
     # tau_A per query head over the seed as selected (per KV group or per query
     # head): any subset gives a valid lower bound on the full-cache tau.
     tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
                           tau_init=seed_sel.tau_hat, config=cfg, ws=ws)
+    if sketched:  # token sketches only for pages outside the seed that the summary does not rule out
+        from .sketch import sketch_bounds
+
+        clears = ((alpha - 1.0) * pb > tau_a[..., None]).view(B, S, NG, M).any(2)
+        npages = (cache.seq_lens.index_select(0, ids.long()).long() + cache.page_size - 1) // cache.page_size
+        valid = torch.arange(M, device=q.device)[None, :] < npages[:, None]
+        need = clears & (mask == 0) & valid[:, None, :]
+        ubs = sketch_bounds(q, cache, ids, scale=scale, slopes=slopes, pages=need, base=pb, ws=ws)
     return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
                     window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
 
 
-def _seed(seed, q, cache, ids, alpha, scale, slopes, cfg, ws, *, want_ub: bool):
+def _seed(seed, q, cache, ids, alpha, scale, slopes, cfg, ws, *, want_ub: bool, rank=None):
     """(seed Selection, safe bounds float32 [B, HQ, M] or None): a TopK seed
-    writes the bounds in its own pass; a Gaussian one needs a scoring pass."""
+    writes the bounds in its own pass; a Gaussian one needs a scoring pass.
+    ``rank`` (float32 [B, HQ, M]): a TopK seed keeps its pages by these
+    bounds instead (device tensor ops, no page box read)."""
     B, HQ, _ = q.shape
     M = cache.block_table.shape[1]
+    if isinstance(seed, TopK) and rank is not None:
+        from .. import policies
+
+        sel = policies.select(seed, q, cache, ids.long(), alpha=alpha, scale=scale, slopes=slopes, ub=rank)
+        return sel, None
     if isinstance(seed, TopK):
         ubs = alloc(ws).empty((B, HQ, M), torch.float32, q.device) if want_ub else None
         sel = select_topk(q, cache, ids, budget=seed.budget, sinks=seed.sinks, window=seed.window,
