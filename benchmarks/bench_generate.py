@@ -9,6 +9,10 @@ For each model, batch and prompt length, in one process:
   (host half + replay), median;
 - ``full``: our dense paged kernel in the same captured model (the strongest
   dense decode: the targets are against it);
+- ``certified_sketch`` (twin): the certified policy with a TopK(256) seed on
+  the ALiBi heads over the same pages with 8-dim key sketches, fitted after
+  the prefill (``sketch_fit_s``); its floor counts the page summaries in
+  place of the page boxes, not the token sketches it reads;
 - ``sdpa_static``: the same model with a contiguous static KV cache and torch
   SDPA decode, the whole step captured in a CUDA graph (what gpt-fast does);
   softmax (on the entmax twin a timing reference only), run after ours once
@@ -31,6 +35,7 @@ CPU dry run).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -48,10 +53,10 @@ from .harness import run_meta
 
 SUITES = {
     # suite: (methods, [(batch, lengths)])
-    "twin": (["full", "topk1024", "gaussian", "certified", "sdpa_static"],
+    "twin": (["full", "topk1024", "gaussian", "certified", "certified_sketch", "sdpa_static"],
              [(1, [16384, 131072, 1048576]), (4, [16384, 131072])]),
     "llama8b": (["full", "topk1024", "quest1024", "sdpa_static"], [(1, [32768, 131072, 524288])]),
-    "tiny": (["full", "topk1024", "gaussian", "certified", "quest1024", "sdpa_static"], [(1, [64]), (2, [64])]),
+    "tiny": (["full", "topk1024", "gaussian", "certified", "certified_sketch", "quest1024", "sdpa_static"], [(1, [64]), (2, [64])]),
 }
 METHODS = {
     # name: (alpha, policy); alpha None: the model's own
@@ -60,7 +65,10 @@ METHODS = {
     "quest1024": (1.0, TopK(1024)),
     "gaussian": (None, Gaussian()),
     "certified": (None, Certified(seed=TopK(1024))),
+    # the certified policy over the same pages with 8-dim key sketches (fitted after the prefill)
+    "certified_sketch": (None, Certified(seed=TopK(1024), alibi_seed=TopK(256))),
 }
+SKETCH_DIMS = 8
 
 
 # ----------------------------------------------------------------- models
@@ -141,7 +149,8 @@ def floor_bytes_paged(model, stats, cache, method: str) -> int:
         total += int(tokens * KV * D * 2 * it)
         if method != "full":
             pages = sum(-(-int(n) // cache.page_size) for n in cache.seq_lens.tolist())
-            total += pages * KV * 2 * D * it
+            # page boxes, or with sketches the page summaries (the token sketches read are not counted)
+            total += pages * KV * ((2 * SKETCH_DIMS + 4) if method == "certified_sketch" else 2 * D * it)
     return total
 
 
@@ -240,7 +249,13 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
             old = set_alpha(model, alpha)
             row = {"model": suite, "batch": B, "n": n, "method": name, "prefill_s": prefill_s}
             try:
-                run = ModelStep(model, cache, policy, cuda_graph=not args.no_cuda_graph)
+                if name == "certified_sketch":
+                    t0 = time.perf_counter()
+                    sketched = copy.copy(cache)  # same pages and host state; sketched layers of its own
+                    sketched.enable_sketches(SKETCH_DIMS)
+                    row["sketch_fit_s"] = time.perf_counter() - t0
+                run = ModelStep(model, sketched if name == "certified_sketch" else cache, policy,
+                                cuda_graph=not args.no_cuda_graph)
                 for _ in range(args.warmup):
                     tok = run.step(tok, seqs).argmax(-1)
                 ts, out = [], {}

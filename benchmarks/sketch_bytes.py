@@ -8,14 +8,17 @@ the query is run through
 - ``box``: today's certified policy, Certified(TopK(seed)), page boxes only;
 - ``sketch``: Certified(TopK(seed), alibi_seed=TopK(alibi_seed)) on the
   same cache with per-token sketches (``dims`` int8 coordinates, basis
-  fitted to the prefill), V read only for pages that hold support;
+  fitted to the prefill): every page's summary, the token sketches of the
+  pages the summary does not rule out, K of the kept pages, V only for
+  pages that hold support;
 - ``oracle``: the pages that hold the support (what an exact method must
   read at the least).
 
 Bytes are per query head, as a fraction of reading its whole K+V in float16
-(2 * D * 2 bytes per token): K and V of the kept tokens (box), K of the kept
-tokens + V of the support pages + every token's sketch (dims + 4 bytes) +
-the page boxes (2 * D * 2 bytes per page) (sketch). Every row is split by
+(2 * D * 2 bytes per token): K and V of the kept tokens + the page boxes
+(2 * D * 2 bytes per page) (box); K of the kept tokens + V of the support
+pages + every page's summary (2 dims + 4 bytes) + the token sketches read
+(dims + 4 bytes a token) (sketch). Every row is split by
 head type (ALiBi: slope > 0; NoPE: slope 0). All three outputs are checked
 against Full: certified heads must match it.
 
@@ -52,6 +55,7 @@ def measure(q, cache, slots, *, model, args, sink, length):
     from entmaxkv import Certified, Full, TopK, decode
     from entmaxkv.scoring import page_layout
     from entmaxkv.attention import selected_scores
+    from entmaxkv.policies import certified_parts
 
     cfg = model.cfg
     alpha, scale, slopes = cfg.attn_alpha, model.scale, model.slopes
@@ -87,11 +91,19 @@ def measure(q, cache, slots, *, model, args, sink, length):
     n_support_tok = (support * lay.n_tok[:, None, :]).sum(-1).double()
     k_half = D * 2.0
     total = n * row
+    # what the sketched policy read besides K and V: every page's summary
+    # (2 m + 4 bytes) and the token sketches (m + 4 bytes a token) of the
+    # pages it read them for
+    parts = certified_parts(pol, q, cache, ids, lay, cache.kv_heads, alpha=alpha, scale=scale, slopes=slopes)
+    sketched_pages = parts.sketched.repeat_interleave(HQ // cache.kv_heads, dim=1).sum(-1).double()
+    summaries = pages * (2 * args.dims + 4)
+    token_sketches = sketched_pages * P * (args.dims + 4)
     res = {
         "box": (st_box.tokens_read.double() * row + meta) / total,
         "box_k_tokens": st_box.tokens_read.double() / n,
-        "sketch": (st_sk.tokens_read.double() * k_half + n_support_tok * k_half + n * (args.dims + 4) + meta)
+        "sketch": (st_sk.tokens_read.double() * k_half + n_support_tok * k_half + summaries + token_sketches)
         / total,
+        "sketched_pages": sketched_pages / pages,
         "sketch_k_tokens": st_sk.tokens_read.double() / n,
         "oracle": n_support_tok * row / total,
         "support_pages": support.sum(-1).double() / pages,
