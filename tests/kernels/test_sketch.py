@@ -12,7 +12,6 @@ import dataclasses
 import zlib
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -468,37 +467,11 @@ def test_box_bounds_match_reference_and_are_safe(dtype, G, D, P, m, slopes):
     _close(KS.page_box_bounds(c.q.double(), c.kv, c.ids.long(), scale=SCALE, slopes=c.slopes), ref)
 
 
-def _trace_loads(monkeypatch):
-    """A list that collects the addresses of every lane a Triton-interpreter
-    load reads from now on (None where that is not observable: on the GPU,
-    or an interpreter without this hook)."""
-    if DEVICE != "cpu":
-        return None
-    interp = pytest.importorskip("triton.runtime.interpreter")
-    builder = getattr(interp, "InterpreterBuilder", None)
-    if builder is None or not hasattr(builder, "create_masked_load"):
-        return None
-    seen, orig = [], builder.create_masked_load
-
-    def load(self, ptrs, mask, other, *args, **kw):
-        addr = np.asarray(ptrs.data)
-        seen.append(addr[np.broadcast_to(np.asarray(mask.data).astype(bool), addr.shape)].ravel())
-        return orig(self, ptrs, mask, other, *args, **kw)
-
-    monkeypatch.setattr(builder, "create_masked_load", load)
-    return seen
-
-
-def _spans(t, index):
-    """[start, end) byte addresses of t[index] (index of the leading axes; the rest contiguous)."""
-    start = t.data_ptr() + sum(i * st for i, st in zip(index, t.stride())) * t.element_size()
-    return start, start + t[index].numel() * t.element_size()
-
-
 @pytest.mark.parametrize("per", ["kv_heads", "q_heads"])
-def test_bounds_on_marked_pages(per, monkeypatch):
+def test_bounds_on_marked_pages(per):
     """sketch_bounds(pages=, base=) is torch.where(mark, min(base, bound),
-    base), and loads no token sketch of a page its group leaves unmarked."""
+    base); a page its group leaves unmarked is not bounded from its token
+    sketches even when they would change the answer (NaN radii)."""
     c = _case([13, 2, 33, 0], 2, 2, 16, 4, 4, torch.float16, seed=_seed("marked", per), slopes=True)
     i = _poke(c, 0, 5, 0, 0.5)
     c.kv.k_pages[int(c.cache.block_table[int(c.ids[0]), i]), 0, 1, 3] = float("nan")  # a NaN token bound
@@ -524,26 +497,20 @@ def test_bounds_on_marked_pages(per, monkeypatch):
     torch.testing.assert_close(KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes, pages=ones, base=inf),
                                full, rtol=0, atol=0, equal_nan=True)
 
-    seen = _trace_loads(monkeypatch)
     sel = mark if per == "kv_heads" else mark.to(torch.uint8)
     got = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes, pages=sel, base=base)
     assert bool(torch.isnan(want[0, 0, i])) and int(torch.isnan(want).sum()) >= 3
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    if seen is None:
-        return
-    monkeypatch.undo()
-    addr = np.concatenate(seen)
-    group = each.view(B, H, G, M).any(2).cpu()  # [B, H, M]: the group's token sketches are read
-    bt = c.cache.block_table.long().cpu()
-    read = {True: 0, False: 0}
+    # NaN radii on every page no head of its group marks: the answer there stays base
+    group = each.view(B, H, G, M).any(2)  # [B, H, M]
+    bt = c.cache.block_table.long()
     for b in range(B):
         for h in range(H):
             for j in range(-(-c.lens[b] // c.P)):
-                page = int(bt[int(c.ids[b]), j])
-                for t in (c.sk.codes, c.sk.radii):
-                    lo, hi = _spans(t, (page, h))
-                    read[bool(group[b, h, j])] += int(((addr >= lo) & (addr < hi)).sum())
-    assert read[True] > 0 and read[False] == 0, read
+                if not bool(group[b, h, j]):
+                    c.sk.radii[int(bt[int(c.ids[b]), j]), h] = float("nan")
+    again = KS.sketch_bounds(c.q, c.kv, c.ids, scale=SCALE, slopes=c.slopes, pages=sel, base=base)
+    torch.testing.assert_close(again, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_box_bounds_of_nan_and_huge_keys():
