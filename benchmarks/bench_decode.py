@@ -46,7 +46,7 @@ import torch
 from entmaxkv.entmax import entmax_from_tau, entmax_threshold
 from entmaxkv.types import Certified, Gaussian, TopK
 
-from .harness import build, capture, kernel_config, time_graph
+from .harness import build, capture, kernel_config, sketched, time_graph
 
 COPY_BW = 4.26e12  # bytes/s, device-to-device copy bandwidth measured on the H200
 
@@ -93,16 +93,6 @@ def sketch_bytes(cache, ids, q, pol, scale) -> float:
         parts = certified_parts(pol, q[b:b + 1], cache, row, lay, H, alpha=ALPHA, scale=scale, slopes=None)
         total += float(lay.num_pages.sum()) * H * (2 * m + 4) + float(parts.sketched.sum()) * P * (m + 4)
     return total
-
-
-def sketched(cache):
-    """``cache`` (same pages) with per-token key sketches of SKETCH_DIMS
-    coordinates, basis fitted to a sample of its keys."""
-    import copy
-
-    view = copy.copy(cache)
-    view.enable_sketches(SKETCH_DIMS)
-    return view
 
 
 def make_step(K, method, cache, ids, q, k4, v4, scale, config=None):
@@ -271,7 +261,7 @@ def main(argv=None):
         with_sketch = None
         for meth in args.methods.split(","):
             if meth == "certified_sketch" and with_sketch is None:
-                with_sketch = sketched(cache)
+                with_sketch = sketched(cache, SKETCH_DIMS)
             row = dict(config=cname, method=meth, batch=B, n=n, q_heads=HQ, kv_heads=H, head_dim=D,
                        dtype=str(dtype).replace("torch.", ""), page=P)
             try:

@@ -9,6 +9,7 @@ command-line options into a KernelConfig (the kernels' launch choices).
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import platform
 import sys
@@ -111,3 +112,13 @@ def run_meta(module: str, argv, device: torch.device, **extra) -> dict:
     return {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv), **extra}
+
+
+def sketched(cache: PagedKVCache, dims: int) -> PagedKVCache:
+    """``cache`` with per-token key sketches of ``dims`` coordinates (basis
+    fitted to a sample of its keys): a shallow copy that shares the pages
+    and the host state, with sketched layers of its own, so the original
+    stays without sketches."""
+    view = copy.copy(cache)
+    view.enable_sketches(dims)
+    return view

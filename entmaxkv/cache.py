@@ -25,6 +25,7 @@ failure inside torch) leaves the cache exactly as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import operator
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -35,6 +36,7 @@ import torch
 from . import sketch as sketch_mod
 from . import stats
 from .layout import STORAGE_DTYPES, PagedKV, PageShape
+from .prefill import gather_row
 
 __all__ = ["PagedKVCache", "CacheFullError", "STORAGE_DTYPES", "MAX_PAGE_SIZE"]
 
@@ -757,7 +759,8 @@ class PagedKVCache(PageShape):
             total = sum(self._lens[s] for s in rows)
             every = -(-total // FIT_SAMPLE)  # an even sample bounds the fit's memory
             for lay in self._layers:
-                keys = torch.cat([self._gather_keys(lay, s)[::every] for s in rows])  # [~FIT_SAMPLE, H, D]
+                keys = torch.cat([gather_row(lay, self.page_ids(s), self._lens[s])[0].transpose(0, 1)[::every]
+                                  for s in rows])  # [~FIT_SAMPLE, H, D]
                 bases.append(sketch_mod.fit_basis(keys, dims))
         else:
             bases = list(bases) if isinstance(bases, (list, tuple)) else None
@@ -787,14 +790,8 @@ class PagedKVCache(PageShape):
                 sk.page_codes[lo:lo + per] = box
                 sk.page_radii[lo:lo + per] = rad
             built.append(sk)
-        self._layers = tuple(sketch_mod.with_sketch(lay, sk) for lay, sk in zip(self._layers, built))
+        self._layers = tuple(dataclasses.replace(lay, sketch=sk) for lay, sk in zip(self._layers, built))
         self.sketch = self._layers[0].sketch
-
-    def _gather_keys(self, lay: PagedKV, seq: int) -> torch.Tensor:
-        """The stored keys [n, H, D] of ``seq`` in layer ``lay``."""
-        n = self._lens[seq]
-        pages = torch.tensor(self._pages[seq], dtype=torch.long, device=self.device)
-        return lay.k_pages[pages].permute(0, 2, 1, 3).reshape(-1, self.kv_heads, self.head_dim)[:n]
 
     # ---------------------------------------------------------------- reads
     def gather(self, seq: int) -> Tuple[torch.Tensor, torch.Tensor]:

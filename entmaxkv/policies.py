@@ -86,16 +86,14 @@ def check_policy(policy, *, alpha: float, page_size: int) -> None:
             "softmax here, which has no sparse support to find: use Full or TopK"
         )
     if isinstance(policy, Certified):
-        if isinstance(policy.seed, TopK) and policy.seed.budget < page_size:
-            raise ValueError(
-                f"policy.seed.budget: expected an int >= page_size ({page_size}), got {policy.seed.budget!r}"
-            )
-        check_policy(policy.seed, alpha=alpha, page_size=page_size)
-        if policy.alibi_seed is not None:
-            if isinstance(policy.alibi_seed, TopK) and policy.alibi_seed.budget < page_size:
-                raise ValueError(f"policy.alibi_seed.budget: expected an int >= page_size ({page_size}), "
-                                 f"got {policy.alibi_seed.budget!r}")
-            check_policy(policy.alibi_seed, alpha=alpha, page_size=page_size)
+        for name in ("seed", "alibi_seed"):
+            seed = getattr(policy, name)
+            if isinstance(seed, TopK) and seed.budget < page_size:
+                raise ValueError(
+                    f"policy.{name}.budget: expected an int >= page_size ({page_size}), got {seed.budget!r}"
+                )
+            if seed is not None:
+                check_policy(seed, alpha=alpha, page_size=page_size)
 
 
 def forced_pages(policy, lay: PageLayout) -> torch.Tensor:
@@ -288,7 +286,7 @@ def certified_parts(policy, q, cache, seq_ids, lay, S, *, alpha, scale, slopes, 
             ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
         seed_mask, seed = _seed_mask(policy, q, cache, seq_ids, lay, S, alpha, scale, slopes, ub)
         tau_a = _seed_tau(q, cache, seq_ids, seed, lay, alpha, scale, slopes)
-        bound = safe_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay, ub=ub, sketches=False)
+        bound = safe_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay, ub=ub)
         return CertifiedParts(seed_mask, tau_a, bound, None)
     from .sketch import page_box_bounds, sketch_bounds
 

@@ -164,18 +164,17 @@ def safe_bounds(
     slopes: Optional[torch.Tensor] = None,
     layout: Optional[PageLayout] = None,
     ub: Optional[torch.Tensor] = None,
-    sketches: bool = True,
 ) -> torch.Tensor:
     """What the certificate compares with a computed threshold, float [B, HQ, M]:
     the Quest bound plus ``bound_slack`` and, where the cache holds key
-    sketches (``cache.sketch``) and ``sketches`` is on, the smaller of that
-    and the token sketches' safe bound (``entmaxkv.sketch.sketch_bounds``;
+    sketches (``cache.sketch``), the smaller of that and the token
+    sketches' safe bound (``entmaxkv.sketch.sketch_bounds``;
     docs/spec.md §6). ``ub``: the Quest bounds when already computed."""
     lay = layout if layout is not None else page_layout(cache, seq_ids)
     if ub is None:
         ub = quest_bounds(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
     bound = ub + bound_slack(q, cache, seq_ids, scale=scale, slopes=slopes, layout=lay)
-    if not sketches or getattr(cache, "sketch", None) is None:
+    if getattr(cache, "sketch", None) is None:
         return bound
     from .sketch import sketch_bounds
 

@@ -27,7 +27,6 @@ Reference implementation (pure PyTorch); the Triton twins are
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -121,20 +120,13 @@ def _defect(basis32: torch.Tensor) -> torch.Tensor:
     b = basis32.double()
     eye = torch.eye(b.shape[2], dtype=torch.float64, device=b.device)
     d = torch.linalg.matrix_norm(b.transpose(1, 2) @ b - eye)  # Frobenius >= spectral
-    return _up32(d * (1 + 1e-12) + 1e-30)
+    return _round_up(d * (1 + 1e-12) + 1e-30, torch.float32)
 
 
-def _up32(x: torch.Tensor) -> torch.Tensor:
-    """float64 -> float32 rounded toward +inf."""
-    y = x.to(torch.float32)
+def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 -> ``dtype`` rounded toward +inf (+inf beyond its range; NaN stays NaN)."""
+    y = x.to(dtype)
     return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-
-
-def _up16(x: torch.Tensor) -> torch.Tensor:
-    """float64 >= 0 -> float16 rounded toward +inf (+inf beyond its range; NaN stays NaN)."""
-    y = x.to(torch.float16)
-    below = y.double() < x
-    return torch.where(below, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
 def fit_basis(keys: torch.Tensor, dims: int = 8) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,7 +173,7 @@ def encode(sk: KeySketch, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     eps_a = e_a + sk.defect.double() * zn + slack
     eps_b = e_b + slack
     codes = torch.where(torch.isfinite(codes), codes, torch.zeros_like(codes)).to(torch.int8)
-    return codes, torch.stack((_up16(eps_a), _up16(eps_b)), -1)
+    return codes, torch.stack((_round_up(eps_a, torch.float16), _round_up(eps_b, torch.float16)), -1)
 
 
 def _encode_slack(D: int, m: int) -> float:
@@ -232,16 +224,15 @@ def query_terms(q: torch.Tensor, sk: KeySketch, kv_heads: int):
     qmu = torch.einsum("bhgd,hd->bhg", qd, sk.mean.double())
     qa = torch.einsum("bhgd,hdm->bhgm", qd, Q)
     perp = qd - torch.einsum("bhgm,hdm->bhgd", qa, Q)
-    up = lambda x: _up32(x * (1 + 1e-12))  # noqa: E731
+    up = lambda x: _round_up(x * (1 + 1e-12), torch.float32)  # noqa: E731
     w = (qa * sk.step.double()[:, None, :]).float()
     norms = torch.stack((qmu.float(), up(qa.norm(dim=-1)), up(perp.norm(dim=-1)), up(qd.norm(dim=-1))), -1)
     return torch.cat((w, norms), -1).reshape(B, HQ, -1)
 
 
 def _prepare(q, cache, seq_ids, layout):
-    """Shared set-up: (sketch, layout, compute dtype, w [B, H, G, m] and the
-    query norms qmu, na, nperp, qn each [B, H, G, 1, 1], ALiBi slopes
-    [1, H, G, 1, 1], pos_q [B, 1, 1, 1, 1])."""
+    """Shared set-up: (sketch, layout, compute dtype, w [B, H, G, m], and the
+    query terms [qmu, na, nperp, qn], each [B, H, G, 1, 1])."""
     from .scoring import _slopes, compute_dtype, page_layout
 
     sk = cache.sketch
@@ -361,8 +352,3 @@ def page_box_bounds(q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: flo
 def bytes_per_token(dims: int) -> int:
     """Bytes of one token's sketch: int8 codes and two float16 radii."""
     return int(dims) + 4
-
-
-def with_sketch(kv, sketch: Optional[KeySketch]):
-    """``kv`` (a layout.PagedKV) carrying ``sketch``."""
-    return dataclasses.replace(kv, sketch=sketch)

@@ -15,8 +15,9 @@ projections, the cache write, the selection and attention kernels, the MLP.
 On CUDA the device half is captured once per (batch size, dense or not)
 after one eager warm-up and replayed after that; elsewhere (and with
 ``cuda_graph=False``) it runs eagerly, the same code. Rows keep their place
-in the batch for the whole generation (a row that has finished simply keeps
-decoding and its tokens are ignored), so one graph serves every step.
+in the batch for the whole generation (a row that has finished keeps
+decoding; ``generate`` feeds it its stop token), so one graph serves every
+step.
 
 The certified policy's cost check runs per step for all layers at once:
 the decoder decides whether the step runs the dense pass (exact, certified
