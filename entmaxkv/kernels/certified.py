@@ -42,8 +42,24 @@ from .topk import select_topk
 
 
 @triton.jit
-def _cert_mark_kernel(pages_ptr, counts_ptr, mask_ptr, W, M,
-                 S_SRC: tl.constexpr, S_DST: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+def _mark_row(m_w, heads_ptr, d, FILTER: tl.constexpr):
+    """m_w where destination row d is marked: always (FILTER 0), only where
+    heads[d] is set (1) or only where it is not (2)."""
+    if FILTER == 0:
+        return m_w
+    else:
+        # (as a block: the interpreter masks only with bool blocks)
+        on = (tl.zeros_like(m_w.to(tl.int32)) + tl.load(heads_ptr + d).to(tl.int32)) != 0
+        if FILTER == 1:
+            return m_w & on
+        else:
+            return m_w & (on == 0)
+
+
+@triton.jit
+def _cert_mark_kernel(pages_ptr, counts_ptr, mask_ptr, heads_ptr, W, M,
+                 S_SRC: tl.constexpr, S_DST: tl.constexpr, BLOCK_W: tl.constexpr, FILTER: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_start(PDL)
     i_r = tl.program_id(0)
     i_w = tl.program_id(1)
@@ -55,11 +71,12 @@ def _cert_mark_kernel(pages_ptr, counts_ptr, mask_ptr, W, M,
     b_pg = tl.load(pages_ptr + i_r.to(tl.int64) * W + o_w, mask=m_w, other=0)
     if S_SRC >= S_DST:  # union over the query heads of a KV group
         d = i_s // (S_SRC // S_DST)
-        tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1, mask=m_w)
+        tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1, mask=_mark_row(m_w, heads_ptr, d, FILTER))
     else:  # the group's selection repeated for each of its query heads
         for j in range(S_DST // S_SRC):
             d = i_s * (S_DST // S_SRC) + j
-            tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1, mask=m_w)
+            tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1,
+                     mask=_mark_row(m_w, heads_ptr, d, FILTER))
 
 
 @triton.jit
@@ -153,18 +170,25 @@ def _cert_kept_kernel(counts_ptr, ids_ptr, lens_ptr, out_ptr, B, S,
 # ---------------------------------------------------------------------------
 
 
-def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True, ws=None) -> torch.Tensor:
-    """uint8 [B, S, M] mask of the selected logical pages (S may differ from sel's heads)."""
+def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True, ws=None, *,
+              into: Optional[torch.Tensor] = None, heads: Optional[torch.Tensor] = None,
+              on_heads: bool = True) -> torch.Tensor:
+    """uint8 [B, S, M] mask of the selected logical pages (S may differ from sel's heads).
+
+    ``into``: a mask to mark in place (default: a new zero one); ``heads``:
+    bool [S], then only the rows where heads[s] == ``on_heads`` are marked
+    (the certified policy's two seeds, by head type)."""
     pages = sel.pages.to(torch.int32).contiguous()
     counts = sel.counts.to(torch.int32).contiguous()
     S_src, W = pages.shape[1], pages.shape[2]
-    mask = alloc(ws).zeros((B, S, M), torch.uint8, pages.device)
+    mask = alloc(ws).zeros((B, S, M), torch.uint8, pages.device) if into is None else into
     if W == 0:
         return mask
     block_w = min(1024, next_pow2(W))
     opts = launch_opts(mask.device, pdl)
     _cert_mark_kernel[(B * S_src, triton.cdiv(W, block_w))](
-        pages, counts, mask, W, M, S_SRC=S_src, S_DST=S, BLOCK_W=block_w, num_warps=4, **opts,
+        pages, counts, mask, heads if heads is not None else counts, W, M, S_SRC=S_src, S_DST=S,
+        BLOCK_W=block_w, FILTER=0 if heads is None else 1 if on_heads else 2, num_warps=4, **opts,
     )
     return mask
 
@@ -191,8 +215,9 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     """Certified selection (Triton): seed, tau over the seed, one augmentation.
 
     On a cache with key sketches (``cache.sketch``) the page summaries bound
-    every page and rank a top-k seed, and token sketches are read only for
-    pages outside the seed whose summary bound clears tau over the seed
+    every page and rank the top-k seeds (their key tables written by the
+    same launch), and token sketches are read only for pages outside the
+    seed whose summary bound clears tau over the seed
     (``policies.certified_parts`` is the reference).
 
     Args:
@@ -216,18 +241,33 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     NG = HQ // S
     M = cache.block_table.shape[1]
     ids = seq_ids.to(device=q.device, dtype=torch.int32)
-    sketched = getattr(cache, "sketch", None) is not None
-    pb = None
-    if sketched:  # page summaries bound (and rank) every page; no page box is read
-        from .sketch import page_box_bounds
-
-        pb = page_box_bounds(q, cache, ids, scale=scale, slopes=slopes, ws=ws)
-    seed_sel, ubs = _seed(policy.seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=not sketched, rank=pb)
-    mask = page_mask(seed_sel, B, S, M, cfg.pdl, ws)  # union over / copy to the certified selection heads
     heads = alibi_heads(slopes, S, HQ) if policy.alibi_seed is not None else None
-    if heads is not None:  # the ALiBi heads take their own (smaller) seed
-        other, _ = _seed(policy.alibi_seed, q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=False, rank=pb)
-        mask = torch.where(heads[None, :, None], page_mask(other, B, S, M, cfg.pdl, ws), mask)
+    seeds = [policy.seed] + ([policy.alibi_seed] if heads is not None else [])
+    sketched = getattr(cache, "sketch", None) is not None
+    pb = terms = None
+    tables = {}
+    if sketched:  # page summaries bound (and rank) every page; no page box is read
+        from . import sketch as SK
+        from .topk.launch import table_plan
+
+        sk, scale_f, bt, strides = SK._bound_args(q, cache, ids, scale, slopes, "the certified selection")
+        terms = SK.sketch_terms(q, sk, H, ws)
+        wanted = [(i, s) for i, s in enumerate(seeds) if isinstance(s, TopK)]
+        specs = []
+        for _, s in wanted:
+            S_s = HQ if s.per_query_head else H
+            specs.append((S_s, table_plan(q, cache, S_s, s.budget, s.sinks, s.window, cfg), s.sinks, s.window))
+        pb, keys = SK.box_launch(q, cache, sk, bt, strides, ids, scale_f, slopes, terms, specs, ws)
+        tables = {i: (spec, k) for (i, _), spec, k in zip(wanted, specs, keys)}
+    seed_sel, ubs = _seed(seeds[0], q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=not sketched,
+                          table=tables.get(0))
+    # union over / copy to the certified selection heads; with an ALiBi seed,
+    # the main seed marks the other heads' rows and the ALiBi seed theirs
+    mask = page_mask(seed_sel, B, S, M, cfg.pdl, ws, heads=heads, on_heads=False)
+    if heads is not None:
+        other, _ = _seed(seeds[1], q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=False,
+                         table=tables.get(1))
+        page_mask(other, B, S, M, cfg.pdl, ws, into=mask, heads=heads, on_heads=True)
         seed_sel = _compact(mask, None, None, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=0, window=0,
                             add=False, forced=False, pdl=cfg.pdl, ws=ws)
     # tau_A per query head over the seed as selected (per KV group or per query
@@ -235,29 +275,26 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
                           tau_init=seed_sel.tau_hat, config=cfg, ws=ws)
     if sketched:  # token sketches only for pages outside the seed that the summary does not rule out
-        from .sketch import sketch_bounds
+        from .sketch import need_bounds
 
-        clears = ((alpha - 1.0) * pb > tau_a[..., None]).view(B, S, NG, M).any(2)
-        npages = (cache.seq_lens.index_select(0, ids.long()).long() + cache.page_size - 1) // cache.page_size
-        valid = torch.arange(M, device=q.device)[None, :] < npages[:, None]
-        need = clears & (mask == 0) & valid[:, None, :]
-        ubs = sketch_bounds(q, cache, ids, scale=scale, slopes=slopes, pages=need, base=pb, ws=ws)
+        ubs = need_bounds(q, cache, ids, scale=scale, slopes=slopes, base=pb, seed=mask, tau=tau_a,
+                          alpha=alpha, terms=terms, ws=ws)
     return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
                     window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
 
 
-def _seed(seed, q, cache, ids, alpha, scale, slopes, cfg, ws, *, want_ub: bool, rank=None):
+def _seed(seed, q, cache, ids, alpha, scale, slopes, cfg, ws, *, want_ub: bool, table=None):
     """(seed Selection, safe bounds float32 [B, HQ, M] or None): a TopK seed
     writes the bounds in its own pass; a Gaussian one needs a scoring pass.
-    ``rank`` (float32 [B, HQ, M]): a TopK seed keeps its pages by these
-    bounds instead (device tensor ops, no page box read)."""
+    ``table`` ((S, plan, sinks, window), keys): a TopK seed's key table
+    written already (the sketch summaries' ranks): it is only selected from."""
     B, HQ, _ = q.shape
     M = cache.block_table.shape[1]
-    if isinstance(seed, TopK) and rank is not None:
-        from .. import policies
+    if isinstance(seed, TopK) and table is not None:
+        from .topk.launch import select_keys
 
-        sel = policies.select(seed, q, cache, ids.long(), alpha=alpha, scale=scale, slopes=slopes, ub=rank)
-        return sel, None
+        (S_s, plan, sinks, window), keys = table
+        return select_keys(q, ids, cache, keys, plan, S=S_s, sinks=sinks, window=window, config=cfg, ws=ws), None
     if isinstance(seed, TopK):
         ubs = alloc(ws).empty((B, HQ, M), torch.float32, q.device) if want_ub else None
         sel = select_topk(q, cache, ids, budget=seed.budget, sinks=seed.sinks, window=seed.window,

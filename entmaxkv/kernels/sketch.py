@@ -18,8 +18,14 @@ M logical pages per block-table row.
   heads of the group, reading each token's codes and radii once; with a
   page mask, only the marked pages' tokens are read and the rest keep a
   given bound.
+  The certified policy's mode computes that mask itself: the valid pages
+  outside its seed whose summary bound clears tau over the seed.
 * ``_sketch_box_kernel``, grid (B * H, blocks of pages): the same from the
-  page summaries (2 m + 4 bytes per page and KV head), looser.
+  page summaries (2 m + 4 bytes per page and KV head), looser; it can also
+  write one or two top-k key tables ranked by these bounds (the certified
+  policy's seeds, selected by ``topk.select_keys``).
+* ``_sketch_terms_kernel``, grid (B * H): a query's terms of the bounds
+  (``sketch.query_terms``) in float64, one launch.
 """
 from __future__ import annotations
 
@@ -31,10 +37,11 @@ import triton
 import triton.language as tl
 
 from .._checks import as_float, describe
-from ..sketch import CODE_MAX, _encode_slack, query_terms
+from ..sketch import CODE_MAX, _encode_slack
 from ._common import alloc, as_slopes, interpreting, next_pow2, no_positions
+from .topk.search import INT32_MIN, page_rank, sortable_key
 
-__all__ = ["write_sketch", "sketch_bounds", "page_box_bounds"]
+__all__ = ["write_sketch", "sketch_bounds", "page_box_bounds", "need_bounds", "sketch_terms", "box_launch"]
 
 # x + 1.5 * 2^23 - 1.5 * 2^23 rounds float32 |x| <= 2^22 to an integer, half to even (torch.round's rule)
 _ROUND_MAGIC = tl.constexpr(12582912.0)
@@ -105,9 +112,77 @@ def _basis_terms(mean_ptr, step_ptr, defect_ptr, kvh, D: tl.constexpr, MD: tl.co
     return b_st, mu_n, defect
 
 
+@triton.jit
+def _store_keys(key_ptr, b_u, m_g, o_g, o_m, m_v, i_b, h0, kvh, npages, MK, sinks, window, HQ,
+                H: tl.constexpr, PER_HEAD: tl.constexpr):
+    """The top-k rank keys (``topk.search``) of BLOCK_M pages from their
+    bounds b_u [BLOCK_G, BLOCK_M]: per query head (PER_HEAD, row b * HQ + h)
+    or the largest over the KV head's group (row b * H + kvh); forced pages
+    (``sinks`` first, ``window`` last, the last page) INF_KEY, pages past the
+    row INT32_MIN. Slots o_m < MK are written."""
+    wnd = tl.minimum(tl.maximum(window, 1), npages)
+    forced = (o_m < sinks) | (o_m >= npages - wnd)
+    b_rank = tl.where(m_g[:, None], page_rank(b_u), float("-inf"))
+    m_k = o_m < MK
+    if PER_HEAD:
+        b_rank = tl.where(forced[None, :], float("inf"), b_rank)
+        b_key = tl.where(m_v[None, :], sortable_key(b_rank), INT32_MIN)
+        o_row = (i_b * HQ + h0 + o_g).to(tl.int64)
+        tl.store(key_ptr + o_row[:, None] * MK + o_m[None, :], b_key, mask=m_g[:, None] & m_k[None, :])
+    else:
+        b_top = tl.where(forced, float("inf"), tl.max(b_rank, axis=0))
+        b_key = tl.where(m_v, sortable_key(b_top), INT32_MIN)
+        tl.store(key_ptr + (i_b * H + kvh).to(tl.int64) * MK + o_m, b_key, mask=m_k)
+
+
 # ---------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _up_f32(x):
+    """float64 x >= 0 -> float32 rounded toward +inf (NaN stays NaN, +inf
+    beyond float32's range): a cast below x is bumped up by one ulp."""
+    y = x.to(tl.float32)
+    below = y.to(tl.float64) < x  # false for NaN
+    bumped = (y.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+    return tl.where(below, bumped, y)
+
+
+@triton.jit
+def _sketch_terms_kernel(q_ptr, mean_ptr, basis_ptr, step_ptr, out_ptr, HQ, G, sqb, sqh,
+                         H: tl.constexpr, D: tl.constexpr, MD: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (batch row, KV head): the query terms of its G heads in float64
+    (``sketch.query_terms``), one basis column at a time."""
+    i_r = tl.program_id(0)
+    i_b = i_r // H
+    kvh = i_r % H
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < G
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    p_q = q_ptr + i_b.to(tl.int64) * sqb + (kvh * G + o_g).to(tl.int64)[:, None] * sqh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0).to(tl.float64)  # [BLOCK_G, BLOCK_D]
+    b_mu = tl.load(mean_ptr + kvh * D + o_d, mask=m_d, other=0.0).to(tl.float64)
+    p_out = out_ptr + (i_b * HQ + kvh * G + o_g).to(tl.int64) * (MD + 4)
+    b_perp = b_q
+    b_na = tl.zeros([BLOCK_G], tl.float64)
+    for c in range(MD):
+        b_col = tl.load(basis_ptr + kvh * (D * MD) + o_d * MD + c, mask=m_d, other=0.0).to(tl.float64)
+        b_qa = tl.sum(b_q * b_col[None, :], axis=1)  # [BLOCK_G]
+        st = tl.load(step_ptr + kvh * MD + c).to(tl.float64)
+        tl.store(p_out + c, (b_qa * st).to(tl.float32), mask=m_g)
+        b_na += b_qa * b_qa
+        b_perp -= b_qa[:, None] * b_col[None, :]
+    b_qmu = tl.sum(b_q * b_mu[None, :], axis=1)
+    grow = 1.0 + 1e-12  # the reference's margin before rounding up
+    tl.store(p_out + MD, b_qmu.to(tl.float32), mask=m_g)
+    tl.store(p_out + MD + 1, _up_f32(tl.sqrt(b_na) * grow), mask=m_g)
+    tl.store(p_out + MD + 2, _up_f32(tl.sqrt(tl.sum(b_perp * b_perp, axis=1)) * grow), mask=m_g)
+    tl.store(p_out + MD + 3, _up_f32(tl.sqrt(tl.sum(b_q * b_q, axis=1)) * grow), mask=m_g)
+
 
 
 @triton.jit
@@ -207,13 +282,13 @@ def _sketch_page_kernel(
 @triton.jit
 def _sketch_bounds_kernel(
     terms_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, codes_ptr, radii_ptr,
-    mean_ptr, step_ptr, defect_ptr, sel_ptr, base_ptr, out_ptr,
-    scale, c_val, c_score, HQ, G, M, R,
+    mean_ptr, step_ptr, defect_ptr, sel_ptr, base_ptr, tau_ptr, out_ptr,
+    scale, c_val, c_score, am1, HQ, G, M, R,
     scp, sch, scr, srp, srh, srr, ssb, sss, ssm, sbb, sbh, sbm,
     H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, MD: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_MD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_SEL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, SEL: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -239,12 +314,25 @@ def _sketch_bounds_kernel(
     t_lp = i_m * BLOCK_M + o_t // BLOCK_P  # logical page
     t_pos = t_lp * P + t_row
     m_t = (t_row < P) & (t_lp < M) & (t_pos < n)
-    if HAS_SEL:
+    if SEL >= 1:
         # the mask rows of the group's heads (head h reads row h // R); a
         # page's tokens are read only if one of them marks it: the bytes an
         # unmarked page would cost are the point of the mask
         p_s = sel_ptr + i_b * ssb + ((h0 + o_g) // R).to(tl.int64) * sss
-        b_sel = tl.load(p_s[:, None] + o_m[None, :] * ssm, mask=m_out, other=0) != 0  # [BLOCK_G, BLOCK_M]
+        p_base = base_ptr + i_b * sbb + (h0 + o_g).to(tl.int64)[:, None] * sbh + o_m[None, :] * sbm
+        b_base = tl.load(p_base, mask=m_out, other=0.0)
+        if SEL == 1:  # the marked pages
+            b_sel = tl.load(p_s[:, None] + o_m[None, :] * ssm, mask=m_out, other=0) != 0  # [BLOCK_G, BLOCK_M]
+        else:
+            # the certified policy's: valid pages outside the seed (sel) whose
+            # base bound clears tau over the seed for some head of the row
+            # (R == G: one row for the group; else R == 1, a row per head)
+            b_tau = tl.load(tau_ptr + i_b * HQ + h0 + o_g, mask=m_g, other=float("inf"))
+            b_clr = (am1 * b_base > b_tau[:, None]) & m_out
+            if R != 1:
+                b_clr = (tl.max(b_clr.to(tl.int32), axis=0) > 0)[None, :] & m_g[:, None]
+            b_seed = tl.load(p_s[:, None] + o_m[None, :] * ssm, mask=m_out, other=1) != 0
+            b_sel = b_clr & (b_seed == 0) & ((o_m * P) < n)[None, :]
         b_any = tl.max(b_sel.to(tl.int32), axis=0)  # [BLOCK_M], > 0: some head marks the page
         t_any = tl.reshape(tl.broadcast_to(b_any[:, None], (BLOCK_M, BLOCK_P)), (BLOCK_M * BLOCK_P,))
         m_t = m_t & (t_any > 0)
@@ -279,10 +367,8 @@ def _sketch_bounds_kernel(
     b_u = tl.max(b_tok3, axis=2)
     b_u = tl.where(tl.max(b_nan, axis=2) > 0, float("nan"), b_u)
 
-    if HAS_SEL:
+    if SEL >= 1:
         # marked: min(base, bound) with NaN from either side (torch.minimum); else base
-        p_base = base_ptr + i_b * sbb + (h0 + o_g).to(tl.int64)[:, None] * sbh + o_m[None, :] * sbm
-        b_base = tl.load(p_base, mask=m_out, other=0.0)
         b_lo = tl.where(b_u < b_base, b_u, b_base)
         b_lo = tl.where((b_u != b_u) | (b_base != b_base), float("nan"), b_lo)
         b_u = tl.where(b_sel, b_lo, b_base)
@@ -294,12 +380,12 @@ def _sketch_bounds_kernel(
 @triton.jit
 def _sketch_box_kernel(
     terms_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, pcodes_ptr, pradii_ptr,
-    mean_ptr, step_ptr, defect_ptr, out_ptr,
+    mean_ptr, step_ptr, defect_ptr, out_ptr, key_ptr, key2_ptr,
     scale, c_val, c_score, HQ, G, M,
-    sbp, sbh, sbs, sqp, sqh,
+    sbp, sbh, sbs, sqp, sqh, MK, sinks, window, MK2, sinks2, window2,
     H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, MD: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_MD: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, KEYS: tl.constexpr, PER_HEAD: tl.constexpr, PER_HEAD2: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -357,6 +443,12 @@ def _sketch_box_kernel(
 
     o_out = ((i_b * HQ + h0 + o_g).to(tl.int64) * M)[:, None] + o_m[None, :]
     tl.store(out_ptr + o_out, b_u, mask=m_g[:, None] & (o_m < M)[None, :])
+    # the seeds' top-k rank keys from the same bounds (the grid covers MK >= M slots)
+    npages = (n + P - 1) // P
+    if KEYS >= 1:
+        _store_keys(key_ptr, b_u, m_g, o_g, o_m, m_m, i_b, h0, kvh, npages, MK, sinks, window, HQ, H, PER_HEAD)
+    if KEYS >= 2:
+        _store_keys(key2_ptr, b_u, m_g, o_g, o_m, m_m, i_b, h0, kvh, npages, MK2, sinks2, window2, HQ, H, PER_HEAD2)
 
 
 # ---------------------------------------------------------------------------
@@ -558,33 +650,82 @@ def sketch_bounds(q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float
         non-finite key), +inf where a radius overflowed float16.
     """
     sk, scale, bt, strides = _bound_args(q, cache, seq_ids, scale, slopes, "sketch_bounds")
+    B, HQ, _ = q.shape
+    sel, R = _page_mask_args(pages, base, B, cache.kv_heads, HQ, bt.shape[1], cache.k_pages.device)
+    return _bounds_launch(q, cache, sk, bt, strides, seq_ids, scale, slopes, sel, R, base, None, 1.0, None, ws)
+
+
+def need_bounds(q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: float, slopes, base: torch.Tensor,
+                seed: torch.Tensor, tau: torch.Tensor, alpha: float, terms: torch.Tensor, ws=None) -> torch.Tensor:
+    """The certified policy's bound (one launch): ``sketch_bounds`` with
+    ``pages`` = the valid pages outside ``seed`` whose ``base`` bound clears
+    ``tau`` ((alpha - 1) * base > tau) for some query head of their mask
+    row, as ``policies.certified_parts`` marks them; the arguments are the
+    selection's own (checked there), ``terms`` = ``sketch_terms(q, ...)``.
+
+    Args:
+        base: float32 [B, q_heads, M] page-summary bounds; seed: uint8
+            [B, S, M] seed pages (S = kv_heads or q_heads); tau: float32
+            [B, q_heads] tau over the seed; alpha > 1.
+    Returns:
+        float32 [B, q_heads, M].
+    """
+    sk, scale, bt, strides = _bound_args(q, cache, seq_ids, scale, slopes, "need_bounds")
+    HQ = q.shape[1]
+    return _bounds_launch(q, cache, sk, bt, strides, seq_ids, scale, slopes, seed, HQ // seed.shape[1], base,
+                          tau.to(torch.float32).contiguous(), float(alpha) - 1.0, terms, ws)
+
+
+def _bounds_launch(q, cache, sk, bt, strides, seq_ids, scale, slopes, sel, R, base, tau, am1, terms, ws):
+    """_sketch_bounds_kernel: no mask (sel None), a given mask (tau None) or
+    the certified policy's (tau given, sel the seed)."""
     (scp, sch, scr), (srp, srh, srr) = strides[:2]
     dev = cache.k_pages.device
     H, P, D, m = cache.kv_heads, cache.page_size, cache.head_dim, sk.dims
     B, HQ, _ = q.shape
     G = HQ // H
     M = bt.shape[1]
-    sel, R = _page_mask_args(pages, base, B, H, HQ, M, dev)
     mem = alloc(ws)
     out = mem.empty((B, HQ, M), torch.float32, dev)
     if B == 0 or M == 0:
         return out
-    terms = query_terms(q, sk, H).contiguous()  # float32 [B, HQ, m + 4], small torch ops (graph-safe)
+    if terms is None:
+        terms = sketch_terms(q, sk, H, ws)
     sl = as_slopes(slopes, HQ, dev, ws)
     cfg = _bounds_plan(G, P, m)
     eps = torch.finfo(torch.float32).eps  # the reference's allowances at float32
     grid = (B * H, triton.cdiv(M, cfg["BLOCK_M"]))
-    # without a mask its pointers are never read (HAS_SEL is a constexpr): any tensor will do
+    # without a mask its pointers are never read (SEL is a constexpr): any tensor will do
     sel_t, base_t = (sel, base) if sel is not None else (out, out)
     ss = sel.stride() if sel is not None else (0, 0, 0)
     sb = base.stride() if sel is not None else (0, 0, 0)
     _sketch_bounds_kernel[grid](
         terms, sl, seq_ids, cache.seq_lens, bt, sk.codes, sk.radii, sk.mean, sk.step, sk.defect,
-        sel_t, base_t, out,
-        scale, 4.0 * (m + 12) * eps, 4.0 * (D + 4) * eps, HQ, G, M, R,
+        sel_t, base_t, tau if tau is not None else out, out,
+        scale, 4.0 * (m + 12) * eps, 4.0 * (D + 4) * eps, am1, HQ, G, M, R,
         scp, sch, scr, srp, srh, srr, *ss, *sb,
         H=H, P=P, D=D, MD=m, BLOCK_D=next_pow2(D), num_warps=4,
-        HAS_ALIBI=slopes is not None, HAS_SEL=sel is not None, **cfg,
+        HAS_ALIBI=slopes is not None, SEL=0 if sel is None else 1 if tau is None else 2, **cfg,
+    )
+    return out
+
+
+def sketch_terms(q: torch.Tensor, sk, kv_heads: int, ws=None) -> torch.Tensor:
+    """``sketch.query_terms`` in one launch: float32 [B, q_heads, m + 4]
+    (w = qa * step, qmu, then |qa|, |q_perp|, |q| rounded up), computed in
+    float64 like the reference (a reduction order apart; the bounds'
+    allowance covers that)."""
+    B, HQ, D = q.shape
+    m = sk.dims
+    G = HQ // kv_heads
+    out = alloc(ws).empty((B, HQ, m + 4), torch.float32, q.device)
+    if B == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _sketch_terms_kernel[(B * kv_heads,)](
+        q, sk.mean, sk.basis, sk.step, out, HQ, G, q.stride(0), q.stride(1),
+        H=kv_heads, D=D, MD=m, BLOCK_G=next_pow2(G), BLOCK_D=next_pow2(D), num_warps=1,
     )
     return out
 
@@ -611,25 +752,41 @@ def page_box_bounds(q: torch.Tensor, cache, seq_ids: torch.Tensor, *, scale: flo
         for a page with a NaN radius, +inf where a radius overflowed float16.
     """
     sk, scale, bt, strides = _bound_args(q, cache, seq_ids, scale, slopes, "page_box_bounds")
+    return box_launch(q, cache, sk, bt, strides, seq_ids, scale, slopes, None, (), ws)[0]
+
+
+def box_launch(q, cache, sk, bt, strides, seq_ids, scale: float, slopes, terms, tables, ws=None):
+    """_sketch_box_kernel after ``_bound_args``: (bounds float32 [B, q_heads,
+    M], [key tables]). ``tables``: up to two (S, plan, sinks, window) seeds,
+    each a top-k key table (``topk.table_plan``'s layout: int32 [B * S *
+    plan["MK"]], S = kv_heads or q_heads) ranked by these bounds and written
+    by the same launch; ``terms``: ``sketch_terms`` of q, or None."""
     (sbp, sbh, sbs), (sqp, sqh) = strides[2:]
     dev = cache.k_pages.device
     H, P, D, m = cache.kv_heads, cache.page_size, cache.head_dim, sk.dims
     B, HQ, _ = q.shape
     G = HQ // H
     M = bt.shape[1]
-    out = alloc(ws).empty((B, HQ, M), torch.float32, dev)
+    mem = alloc(ws)
+    out = mem.empty((B, HQ, M), torch.float32, dev)
+    keys = [mem.empty(B * S * plan["MK"], torch.int32, dev) for S, plan, _, _ in tables]
     if B == 0 or M == 0:
-        return out
-    terms = query_terms(q, sk, H).contiguous()
+        return out, keys
+    if terms is None:
+        terms = sketch_terms(q, sk, H, ws)
     sl = as_slopes(slopes, HQ, dev, ws)
     cfg = _box_plan(G, m)
     eps = torch.finfo(torch.float32).eps
-    grid = (B * H, triton.cdiv(M, cfg["BLOCK_M"]))
+    span = max([M] + [plan["MK"] for _, plan, _, _ in tables])
+    grid = (B * H, triton.cdiv(span, cfg["BLOCK_M"]))
+    # (S, MK, sinks, window) of each table; an absent one's pointer is never read
+    t = [(S, plan["MK"], int(sinks), int(window)) for S, plan, sinks, window in tables] + [(H, 0, 0, 0)] * 2
     _sketch_box_kernel[grid](
         terms, sl, seq_ids, cache.seq_lens, bt, sk.page_codes, sk.page_radii, sk.mean, sk.step, sk.defect, out,
+        keys[0] if keys else out, keys[1] if len(keys) > 1 else out,
         scale, 4.0 * (m + 12) * eps, 4.0 * (D + 4) * eps, HQ, G, M,
-        sbp, sbh, sbs, sqp, sqh,
+        sbp, sbh, sbs, sqp, sqh, t[0][1], t[0][2], t[0][3], t[1][1], t[1][2], t[1][3],
         H=H, P=P, D=D, MD=m, BLOCK_D=next_pow2(D), num_warps=4,
-        HAS_ALIBI=slopes is not None, **cfg,
+        HAS_ALIBI=slopes is not None, KEYS=len(tables), PER_HEAD=t[0][0] != H, PER_HEAD2=t[1][0] != H, **cfg,
     )
-    return out
+    return out, keys

@@ -407,6 +407,110 @@ def test_certified_with_sketches_matches_reference(dtype, G, seed_kind):
     assert torch.allclose(out.float(), full.float(), atol=tol) and torch.allclose(ref.float(), full.float(), atol=tol)
 
 
+
+def _sketched_pair(tag, G, dtype=torch.float16, lens=(70, 33), H=2, D=16, P=4):
+    """A sketched cache from dense keys of low rank plus an offset, its
+    rows, queries [2, H * G, D] and ALiBi slopes on KV head 1's heads only."""
+    gen = torch.Generator().manual_seed(_seed(tag, G, str(dtype)))
+    T = max(lens)
+    basis = torch.randn(H, 3, D, generator=gen)
+    keys = torch.einsum("bnhr,hrd->bnhd", torch.randn(len(lens), T, H, 3, generator=gen) * 2, basis) + 1.0
+    vals = torch.randn(len(lens), T, H, D, generator=gen)
+    cache, rows = PagedKVCache.from_dense(keys, vals, list(lens), P, dtype=dtype, spare_pages=2, generator=gen,
+                                          device=DEVICE)
+    cache.enable_sketches(dims=4)
+    q = (torch.randn(len(lens), H * G, D, generator=gen) * 2).to(dtype).to(DEVICE)
+    slopes = torch.tensor([0.0] * G + [0.4] * (H - 1) * G, device=DEVICE)
+    return cache, rows, q, slopes
+
+
+@pytest.mark.parametrize("case", ["per_query_head_seed", "sinks_window", "chain", "per_query_head", "no_alibi"])
+def test_certified_sketch_seed_tables(case, launches):
+    """The seeds' top-k key tables written by the summary-bound launch
+    (one per seed, per KV head or per query head, each with its own forced
+    pages) and selected by the row or the chunked chain give the
+    reference's pages, certified and equal to Full."""
+    from entmaxkv import Certified, Full, TopK, decode
+    from entmaxkv.kernels.config import KernelConfig, TopKConfig
+
+    cache, rows, q, slopes = _sketched_pair(case, 2)
+    config = KernelConfig(topk=TopKConfig(rowsel_min_pages=1))  # the row selection at any size
+    seed, alibi_seed, per = TopK(16), TopK(8), False
+    if case == "per_query_head_seed":
+        seed, alibi_seed = TopK(16, per_query_head=True), TopK(8, per_query_head=True)
+    elif case == "sinks_window":
+        seed, alibi_seed = TopK(16, sinks=1, window=2), TopK(8, window=1)
+    elif case == "chain":  # the lb / chunk / merge launches instead of the row selection
+        config = KernelConfig(topk=TopKConfig(rowsel=False))
+    elif case == "per_query_head":
+        per = True
+    pol = Certified(seed=seed, alibi_seed=None if case == "no_alibi" else alibi_seed, per_query_head=per,
+                    dense_above=1.0)
+    kw = dict(alpha=1.5, alibi_slopes=slopes, return_stats=True)
+    out, st = decode(q, cache, rows, pol, backend="triton", kernel_config=config, **kw)
+    ran = launches.names()
+    # the seeds come from the summary launch's key tables: no Quest keys pass, no per-call query terms in torch
+    assert "_sketch_box_kernel" in ran and "_topk_keys_kernel" not in ran and "_sketch_terms_kernel" in ran
+    assert ("_topk_chunk_kernel" in ran) == (case == "chain") and ("_topk_rowsel_kernel" in ran) == (case != "chain")
+    ref, st_ref = decode(q, cache, rows, pol, backend="reference", **kw)
+    full = decode(q, cache, rows, Full(), backend="reference", alpha=1.5, alibi_slopes=slopes)
+    assert st.certified.all() and st_ref.certified.all()
+    assert torch.equal(st.tokens_read, st_ref.tokens_read)
+    assert (st.tokens_read < torch.tensor([70, 33], device=DEVICE)[:, None]).any()
+    assert torch.allclose(out.float(), full.float(), atol=2e-2) and torch.allclose(ref.float(), full.float(), atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype,G,D,m", [(torch.float16, 1, 16, 4), (torch.bfloat16, 3, 24, 5),
+                                          (torch.float32, 4, 7, 7)])
+def test_sketch_terms_match_reference(dtype, G, D, m):
+    """The one-launch query terms equal ``sketch.query_terms`` (float64 in
+    both: the float32 results agree to an ulp; the norms are rounded up)."""
+    gen = torch.Generator().manual_seed(_seed("terms", str(dtype), G, D, m))
+    H = 2
+    keys = torch.randn(3, 40, H, D, generator=gen)
+    cache, _ = PagedKVCache.from_dense(keys, torch.randn_like(keys), [40, 21, 9], 8, dtype=dtype, generator=gen,
+                                       device=DEVICE)
+    cache.enable_sketches(dims=m)
+    q = (torch.randn(5, H * G, D + 3, generator=gen) * 3)[..., :D].to(dtype).to(DEVICE)  # strided rows
+    got = KS.sketch_terms(q, cache.sketch, H)
+    want = RS.query_terms(q, cache.sketch, H)
+    assert got.shape == want.shape == (5, H * G, m + 4) and got.dtype == torch.float32
+    ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=1e-30)
+    assert bool(((got - want).abs() <= 2 * ulp + 1e-30).all()), float((got - want).abs().max())
+    assert bool((got[..., m + 1:] >= want[..., m + 1:] - ulp[..., m + 1:]).all())  # still rounded up
+    worse = want.clone()
+    worse[0, 0, 0] += 1e-3 * (1 + worse[0, 0, 0].abs())
+    assert not bool(((got - worse).abs() <= 2 * ulp + 1e-30).all())  # the comparison can fail
+
+
+@pytest.mark.parametrize("per", [False, True])
+def test_need_bounds_marks_what_the_reference_marks(per):
+    """need_bounds = sketch_bounds over the pages the certified policy
+    marks: valid, outside the seed, base bound clearing tau for some head
+    of the mask row."""
+    cache, rows, q, slopes = _sketched_pair("need", 2, lens=(70, 41))
+    ids = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    B, HQ = q.shape[:2]
+    H = cache.kv_heads
+    S = HQ if per else H
+    M = cache.block_table.shape[1]
+    gen = torch.Generator().manual_seed(_seed("need-mask", per))
+    base = KS.page_box_bounds(q, cache, ids, scale=SCALE, slopes=slopes)
+    seed = (torch.rand(B, S, M, generator=gen) < 0.3).to(torch.uint8).to(DEVICE)
+    fin = torch.where(torch.isfinite(base), base, torch.zeros_like(base))
+    tau = (0.5 * fin.amax(-1) + 0.5 * fin.mean(-1)) * 0.5  # some pages clear it, some do not
+    got = KS.need_bounds(q, cache, ids, scale=SCALE, slopes=slopes, base=base, seed=seed, tau=tau, alpha=1.5,
+                         terms=KS.sketch_terms(q, cache.sketch, H))
+    clears = (0.5 * base > tau[..., None]).view(B, S, HQ // S, M).any(2)
+    npages = (cache.seq_lens.index_select(0, ids.long()).long() + cache.page_size - 1) // cache.page_size
+    valid = torch.arange(M, device=DEVICE)[None, :] < npages[:, None]
+    need = clears & (seed == 0) & valid[:, None, :]
+    want = KS.sketch_bounds(q, cache, ids, scale=SCALE, slopes=slopes, pages=need, base=base)
+    assert bool(need.any()) and bool((~need & valid[:, None, :]).any())
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
+
+
 # ---------------------------------------------------------------------------
 # page summaries: written with the token sketches, bounded by page_box_bounds
 # ---------------------------------------------------------------------------

@@ -147,7 +147,6 @@ def select_topk(
     cfg = topk_plan(c, M, W, NG, D, q.dtype, cache.dtype, B * S, num_sms(dev),
                     cap=c.select_ch if all_heads else 4096)
     NCH, CH = cfg["NCH"], cfg["CH"]
-    smp, smh = meta_strides(cache)
     mem = alloc(ws)
     sl = as_slopes(slopes, HQ, dev, ws)
     ids = seq_ids.to(device=dev, dtype=torch.int32)
@@ -181,6 +180,27 @@ def select_topk(
         # (the attention may start while this selection, and overlapped the
         # keys pass, still read q, the slopes, ids and the key table)
         return Selection(pages, counts, pending=Pending(ready, launch_count(), (q, sl, ids, keys) + scratch))
+    _launch_chain(q, sl, ids, cache, keys, ub if write_ub else keys, pages, counts, cfg, scale=scale, sinks=sinks,
+                  window=window, k_pages=k_pages, prefilter=prefilter, keys_ready=all_heads,
+                  write_ub=write_ub and not all_heads, has_alibi=slopes is not None, c=c, opts=opts, ws=ws)
+    return Selection(pages, counts)
+
+
+def _launch_chain(q, sl, ids, cache, keys, ub, pages, counts, cfg: dict, *, scale: float, sinks: int, window: int,
+                  k_pages: int, prefilter: bool, keys_ready: bool, write_ub: bool, has_alibi: bool,
+                  c: TopKConfig, opts: dict, ws=None) -> None:
+    """The lb / chunk / merge chain into ``pages`` / ``counts`` (int32 [B, S, W]
+    / [B, S]): with ``keys_ready`` from the key table ``keys`` as it is, else
+    the chunk kernel scores its pages from k_min / k_max first (and with
+    ``write_ub`` stores the certified bounds into ``ub``)."""
+    B, S, W = pages.shape
+    HQ, D = q.shape[1], q.shape[2]
+    G, NG, P, M = HQ // cache.kv_heads, HQ // S, cache.page_size, cache.block_table.shape[1]
+    NCH, CH = cfg["NCH"], cfg["CH"]
+    MK = NCH * CH
+    smp, smh = meta_strides(cache)
+    mem = alloc(ws)
+    dev = q.device
     if NCH > 1:
         ck = mem.empty(B * S * NCH * W, torch.int32, dev)
         cp = mem.empty(B * S * NCH * W, torch.int32, dev)
@@ -194,14 +214,14 @@ def select_topk(
                              S=S, P=P, NKP_P2=next_pow2(NKP), NT=c.lb_nt, E=c.lb_e, num_warps=c.lb_warps, **opts)
     _topk_chunk_kernel[(B * S, NCH)](
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, cache.k_max,
-        keys, ck, cp, cn, ub if write_ub else keys, pages, counts, lbs,
+        keys, ck, cp, cn, ub, pages, counts, lbs,
         float(scale), q.stride(0), q.stride(1), smp, smh,
         HQ, G, M, W, int(sinks), int(window), k_pages,
         S=S, NG=NG, NCH=NCH, P=P, D=D, PREFILTER=prefilter,
         BLOCK_G=cfg["BLOCK_G"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], NSUB=cfg["NSUB"],
-        HAS_ALIBI=slopes is not None, WRITE_UB=write_ub and not all_heads, KEYS_READY=all_heads,
+        HAS_ALIBI=has_alibi, WRITE_UB=write_ub, KEYS_READY=keys_ready,
         USE_DOT=cfg["USE_DOT"], DOT_F32=cfg["DOT_F32"], PREC=cfg["PREC"],
-        num_warps=c.select_warps if all_heads else cfg["WARPS"], num_stages=cfg["STAGES"], **opts,
+        num_warps=c.select_warps if keys_ready else cfg["WARPS"], num_stages=cfg["STAGES"], **opts,
     )
     if NCH > 1:
         nch_p2 = next_pow2(NCH)
@@ -213,4 +233,53 @@ def select_topk(
             NCH=NCH, NCH_P2=nch_p2, BLOCK_W=block_w, S=S, P=P, ONE_TILE=one_tile,
             PREFILTER=prefilter, num_warps=merge_warps(nch_p2 * block_w) if one_tile else 8, **opts,
         )
+
+
+def table_plan(q: torch.Tensor, cache, S: int, budget: int, sinks: int, window: int, config=None) -> dict:
+    """How a key table for ``select_keys`` is laid out (shapes only, so a
+    captured graph replays the same choices): ``k_pages``, width ``W``, the
+    chunk plan ``cfg`` (NCH chunks of CH pages) and ``MK`` = NCH * CH key
+    slots per row."""
+    c = resolve(config).topk
+    B, HQ, D = q.shape
+    M = cache.block_table.shape[1]
+    k_pages, W = topk_width(M, cache.page_size, budget, sinks, window)
+    cfg = topk_plan(c, M, W, HQ // S, D, q.dtype, cache.dtype, B * S, num_sms(q.device), cap=c.select_ch)
+    return dict(k_pages=k_pages, W=W, cfg=cfg, MK=cfg["NCH"] * cfg["CH"])
+
+
+def select_keys(q: torch.Tensor, ids: torch.Tensor, cache, keys: torch.Tensor, plan: dict, *, S: int,
+                sinks: int, window: int, config=None, ws=None) -> Selection:
+    """Top-k Selection from a key table another pass has written.
+
+    Args:
+        q: [batch, q_heads, head_dim] (read for shapes and, by the chain's
+            chunk kernel, its first rows; the keys are not recomputed).
+        ids: int32 [batch] block-table rows; cache: the paged cache.
+        keys: int32 [batch * S * plan["MK"]]: row b * S + s holds
+            ``sortable_key`` of each page's rank (``page_rank`` of its bound),
+            INF_KEY for the forced pages (``sinks`` first, ``window`` last and
+            the last page) and INT32_MIN past the row's pages.
+        plan: ``table_plan(q, cache, S, budget, sinks, window, config)``.
+    Returns:
+        Selection(pages int32 [batch, S, W] unsorted, counts int32 [batch, S]),
+        the k_row best pages of each row as ``select_topk`` keeps them.
+    """
+    config = resolve(config)
+    c = config.topk
+    B = q.shape[0]
+    W, k_pages, cfg, MK = plan["W"], plan["k_pages"], plan["cfg"], plan["MK"]
+    dev = q.device
+    mem = alloc(ws)
+    pages = mem.empty((B, S, W), torch.int32, dev)
+    counts = mem.empty((B, S), torch.int32, dev)
+    opts = launch_opts(dev, config.pdl)
+    if c.prefilter and use_rowsel(c, W, MK, B * S, num_sms(dev)):
+        launch_rowsel(keys, MK, cfg["CH"], ids, cache.seq_lens, pages, counts, int(sinks), int(window), k_pages,
+                      cache.page_size, c=c, pdl=opts["PDL"], ws=ws)
+        return Selection(pages, counts)
+    sl = as_slopes(None, q.shape[1], dev, ws)
+    _launch_chain(q, sl, ids, cache, keys, keys, pages, counts, cfg, scale=1.0, sinks=sinks, window=window,
+                  k_pages=k_pages, prefilter=c.prefilter, keys_ready=True, write_ub=False, has_alibi=False,
+                  c=c, opts=opts, ws=ws)
     return Selection(pages, counts)
