@@ -119,10 +119,17 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).to(x.dtype)
 
 
+def rope_inv_freq(D: int, base: float, device=None) -> torch.Tensor:
+    """RoPE's frequencies base^(-2i / D), float32 [D/2] on ``device``: what
+    ``rope_rotate`` multiplies the positions by (the fused decode step takes
+    them from here once, so its angles are the same float32 products)."""
+    return base ** (-torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+
+
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form). x [..., T, heads, D], positions [..., T]."""
     D = x.shape[-1]
-    inv = base ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
+    inv = rope_inv_freq(D, base, x.device)  # [D/2]
     ang = positions.to(torch.float32)[..., None] * inv  # [..., T, D/2]
     cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]  # [..., T, 1, D/2]
     x1, x2 = x.float().chunk(2, dim=-1)

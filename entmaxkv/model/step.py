@@ -23,6 +23,14 @@ The certified policy's cost check runs per step for all layers at once:
 the decoder decides whether the step runs the dense pass (exact, certified
 by construction) or the certified selection, and the two are separate
 graphs.
+
+Outside attention a decode step is a few rows of elementwise work, whose
+cost is its launches (~1.5-3 us each, replayed or not). With ``fused`` (the
+default on the Triton backend on CUDA) they are ``entmaxkv.kernels.model``'s
+kernels: one RMSNorm launch fused with the residual add before it, one
+rotary launch for q and k, one SwiGLU product, the logits written in place:
+a bfloat16 layer's elementwise launches go from 22 (NAPE) / 56 (RoPE) to
+3 / 4 (docs/prefill.md). Otherwise the step runs the model's PyTorch code.
 """
 from __future__ import annotations
 
@@ -35,7 +43,7 @@ from ..backend import BACKENDS
 from ..cache import PagedKVCache
 from ..planner import Decoder
 from ..policies import Full, check_policy
-from .lm import TransformerLM
+from .lm import TransformerLM, rope_inv_freq
 
 __all__ = ["ModelStep"]
 
@@ -65,6 +73,14 @@ class ModelStep:
         cuda_graph: capture and replay the device half on CUDA (Triton
             backend only); False runs it eagerly everywhere.
         backend: "auto", "reference" or "triton".
+        fused: run the elementwise work outside attention (norms with the
+            residual adds before them, RoPE, SwiGLU's product) as the fused
+            kernels of ``entmaxkv.kernels.model``. None (default): on the
+            Triton backend on CUDA; True also runs them on the CPU under
+            Triton's interpreter (tests); it needs the Triton backend.
+            False: the model's PyTorch code, as the reference backend and
+            the CPU always run it (bit for bit ``decode_step``'s numbers).
+            Fused results equal those to float32 rounding.
 
     ``step(tokens, seqs)``: tokens long [B] (one per sequence, on any
     device), seqs the B sequence ids (a list of ints, the same every step
@@ -74,7 +90,7 @@ class ModelStep:
     """
 
     def __init__(self, model: TransformerLM, cache: PagedKVCache, policy=None, *, cuda_graph: bool = True,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", fused: Optional[bool] = None) -> None:
         if not isinstance(model, TransformerLM):
             raise ValueError(f"model: expected a TransformerLM, got {describe(model)}")
         cfg = model.cfg
@@ -98,6 +114,17 @@ class ModelStep:
         self.backend = backend
         self.cuda_graph = (as_bool(cuda_graph, "cuda_graph") and device.type == "cuda"
                            and self.decoder._ops.name == "triton")
+        if fused is None:
+            self.fused = self.decoder._ops.name == "triton" and device.type == "cuda"
+        else:
+            self.fused = as_bool(fused, "fused")
+            if self.fused and self.decoder._ops.name != "triton":
+                raise ValueError(f"fused: the fused kernels run with the Triton backend (CUDA, or the CPU under "
+                                 f"TRITON_INTERPRET=1); backend {backend!r} resolved to "
+                                 f"{self.decoder._ops.name!r} here")
+        # RoPE's frequencies, once, as rope_rotate computes them on this device (the fused path's)
+        self._inv_freq = (rope_inv_freq(cfg.head_dim, cfg.rope_base, device)
+                          if self.fused and cfg.positions == "rope" else None)
         self.layers = [cache.layer(i) for i in range(cfg.n_layers)]
         self._captured: Dict[int, _Captured] = {}
         self._pool = None
@@ -150,6 +177,9 @@ class ModelStep:
     def _body(self, c: _Captured, dense: bool, stats: Optional[list] = None) -> None:
         """The device half: reads c's buffers, writes c.logits (and appends
         each layer's DecodeStats to ``stats`` when given)."""
+        if self.fused:
+            self._body_fused(c, dense, stats)
+            return
         m = self.model
         x = m.embed(c.tokens)[:, None]  # [B, 1, C]
         B = x.shape[0]
@@ -165,6 +195,45 @@ class ModelStep:
             x = x + blk.attn.wo(o.reshape(B, 1, -1).to(x.dtype))
             x = x + blk.mlp(blk.mlp_norm(x))
         c.logits.copy_(m._logits(x[:, 0]))
+
+    @torch.no_grad()
+    def _body_fused(self, c: _Captured, dense: bool, stats: Optional[list]) -> None:
+        """``_body`` with the elementwise work fused (``fused``): per layer
+        the attention norm (fused with the residual add of the layer
+        before), one RoPE launch, the MLP norm fused with the attention's
+        residual add, SwiGLU's product; the last residual add fused with the
+        model's norm; the logits written into c.logits (inference only: the
+        kernels have no backward, and mm's out= refuses inputs that need
+        gradients)."""
+        from ..kernels.model import add_rms_norm, rms_norm, rope_qk, silu_mul
+
+        m = self.model
+        cfg = m.cfg
+        blocks = list(m.blocks)
+        x = m.embed(c.tokens)[:, None]  # [B, 1, C]: the residual stream
+        B = x.shape[0]
+        h = rms_norm(x, blocks[0].attn_norm.weight, blocks[0].attn_norm.eps)  # the block's input
+        for i, blk in enumerate(blocks):
+            at = blk.attn
+            q = at.wq(h).view(B, 1, cfg.n_heads, cfg.head_dim)
+            k = at.wk(h).view(B, 1, cfg.n_kv_heads, cfg.head_dim)
+            v = at.wv(h).view(B, 1, cfg.n_kv_heads, cfg.head_dim)
+            if self._inv_freq is not None:
+                q, k = rope_qk(q, k, c.positions[:, None], self._inv_freq)  # new contiguous tensors
+            self.cache.write(k[:, 0], v[:, 0], c.slots, layer=i, backend=self.backend)
+            res = self.decoder.run(q[:, 0].contiguous(), self.layers[i], dense=dense,
+                                   return_stats=stats is not None)  # [B, H, D] (q[:, 0] is contiguous)
+            if stats is not None:
+                res, st = res
+                stats.append(st)
+            o = res
+            h, x = add_rms_norm(x, at.wo(o.reshape(B, 1, -1).to(x.dtype)), blk.mlp_norm.weight, blk.mlp_norm.eps)
+            mlp = blk.mlp
+            d = mlp.w_down(silu_mul(mlp.w_gate(h), mlp.w_up(h)))
+            last = i + 1 == len(blocks)
+            norm = m.norm if last else blocks[i + 1].attn_norm
+            h, x = add_rms_norm(x, d, norm.weight, norm.eps, keep_residual=not last)
+        torch.mm(h[:, 0], m.embed.weight.t(), out=c.logits)  # the tied output head, no copy
 
     def _capture(self, c: _Captured, dense: bool) -> Optional[torch.cuda.CUDAGraph]:
         if self._pool is None:

@@ -7,7 +7,10 @@
 - after the first steps nothing is captured again and a replayed step
   allocates no device memory;
 - prefill on the GPU (fused kernel / SDPA), one-shot and chunked, gives the
-  reference prefill's logits.
+  reference prefill's logits;
+- the fused elementwise kernels (entmaxkv/kernels/model.py, the default
+  here) give the PyTorch step's logits, replayed, in float32 and bfloat16,
+  and each kernel compiled at the Llama-8B sizes equals its torch form.
 
 ``python -m pytest -m gpu tests/gpu/test_model_step.py`` on the device.
 """
@@ -18,7 +21,8 @@ import torch
 
 from entmaxkv import PagedKVCache
 from entmaxkv.model.generate import generate
-from entmaxkv.model.lm import ModelConfig, TransformerLM
+from entmaxkv.kernels.model import add_rms_norm, rope_qk, silu_mul
+from entmaxkv.model.lm import ModelConfig, RMSNorm, TransformerLM, rope_inv_freq, rope_rotate
 from entmaxkv.model.step import ModelStep
 from entmaxkv.policies import Certified, Full, Gaussian, TopK
 from entmaxkv.testing import gpu_quick, rel_err
@@ -103,3 +107,50 @@ def test_gpu_prefill_equals_reference(kind):
         seqs = [cache.allocate(), cache.allocate()]
         got = m.prefill_paged(prompt, cache, seqs, chunk_tokens=chunk)
         assert rel_err(got.cpu(), cpu[:, 0]) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["rope-softmax", "nape-entmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_equals_the_unfused_step(kind, dtype):
+    positions, attention = kind.split("-")
+    m = model(attention, positions, dtype)
+    with torch.no_grad():
+        for n in [m.norm, *(b.attn_norm for b in m.blocks), *(b.mlp_norm for b in m.blocks)]:
+            n.weight.copy_(1.0 + 0.5 * torch.randn(m.cfg.d_model, device="cuda"))
+    prompt = torch.randint(0, 512, (3, 300), generator=torch.Generator().manual_seed(5)).cuda()
+    toks = torch.randint(0, 512, (8, 3), generator=torch.Generator().manual_seed(6)).cuda()  # teacher forced
+    out = {}
+    for fused in (True, False):
+        cache = PagedKVCache(200, 16, m.cfg.n_kv_heads, m.cfg.head_dim, max_seqs=3, max_pages_per_seq=60,
+                             dtype=dtype, device="cuda", num_layers=m.cfg.n_layers)
+        seqs = [cache.allocate() for _ in range(3)]
+        m.prefill_paged(prompt, cache, seqs)
+        run = ModelStep(m, cache, Full(), fused=None if fused else False)
+        assert run.fused == fused
+        out[fused] = torch.stack([run.step(t, seqs).clone() for t in toks]).float()
+        assert run.graphs() == [(3, False)]  # the later steps replayed
+    assert rel_err(out[True], out[False]) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_model_kernels_at_the_llama8b_sizes():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dt = torch.bfloat16
+    ulp = 2.0 ** -7
+
+    def close(got, want, ulps=1.0):
+        g, w = got.double(), want.double()
+        return bool(((g - w).abs() <= 1e-6 + ulps * ulp * w.abs()).all())
+
+    x, d = (torch.randn(5, 1, 4096, generator=gen, device="cuda").to(dt) for _ in range(2))
+    norm = RMSNorm(4096, 1e-5).cuda().to(dt)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(4096, generator=gen, device="cuda"))
+        y, r = add_rms_norm(x, d, norm.weight, 1e-5)
+        assert torch.equal(r, x + d) and close(y, norm(x + d))
+        g, u = (torch.randn(5, 1, 14336, generator=gen, device="cuda").to(dt) * 3 for _ in range(2))
+        assert close(silu_mul(g, u), torch.nn.functional.silu(g) * u, ulps=2)
+        qkv = torch.randn(5, 1, 48, 128, generator=gen, device="cuda").to(dt)
+        q, k = qkv[:, :, :32], qkv[:, :, 32:40]
+        pos = torch.randint(0, 131072, (5, 1), generator=gen, device="cuda")
+        qo, ko = rope_qk(q, k, pos, rope_inv_freq(128, 500000.0, "cuda"))
+        assert close(qo, rope_rotate(q, pos, 500000.0)) and close(ko, rope_rotate(k, pos, 500000.0))

@@ -11,7 +11,7 @@ import pathlib
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "entmaxkv" / "kernels"
 # the stage prefix of a kernel, by the module (or package) that defines it
 PREFIX = {"attention": "_attn_", "topk": "_topk_", "gaussian": "_gauss_", "certified": "_cert_", "scoring": "_score_",
-          "write": "_write_", "prefill": "_prefill_", "sketch": "_sketch_"}
+          "write": "_write_", "prefill": "_prefill_", "sketch": "_sketch_", "model": "_model_"}
 # kernels that wait for their own row's producers (poll_start) instead of the whole previous launch
 POLLING = {"_topk_rowsel_kernel", "_attn_split_softmax_kernel", "_attn_split_entmax_kernel", "_attn_finish_kernel",
            "_attn_combine_kernel"}
@@ -115,7 +115,7 @@ def test_kernels_are_named_by_stage():
     """Every kernel's name starts with its stage's prefix (the module or
     package it lives in: attention _attn_, topk _topk_, gaussian _gauss_,
     certified _cert_, scoring _score_, write _write_, prefill _prefill_,
-    sketch _sketch_), and no two kernels share a name."""
+    sketch _sketch_, model _model_), and no two kernels share a name."""
     seen = {}
     for path, fn in kernels():
         rel = path.relative_to(KERNELS)
