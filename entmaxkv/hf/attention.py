@@ -12,8 +12,9 @@ the layer's new tokens (q [B, HQ, T, D], k, v [B, H, T, D]):
   cache's policy (plan at layer 0, run per layer);
 - otherwise (a prompt, or a chunk of one after cached context): dense
   causal attention of each row's new real tokens over its cached and new
-  tokens, alpha-entmax or softmax (``entmaxkv.prefill``); a padding query
-  gets zeros.
+  tokens, alpha-entmax or softmax: on CUDA the GPU prefill (SDPA or the
+  fused Triton kernel, no T x T scores), else ``entmaxkv.prefill``; a
+  padding query gets zeros.
 """
 from __future__ import annotations
 
@@ -97,16 +98,45 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 
 def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: int) -> torch.Tensor:
     """Causal attention of each row's new real tokens over its cached tokens
-    (the new ones last, already written): ``prefill.paged_prefill`` per row;
-    a padding query gets zeros."""
+    (the new ones last, already written), per row. With the Triton backend
+    (``"triton"``, or ``"auto"`` on CUDA) and a head dim the fused kernel
+    takes (a multiple of 8 in [16, 256]): torch SDPA's causal kernel for
+    softmax without ALiBi over a whole prompt, else EntmaxKV's fused
+    prefill kernel (no T x T scores either way); otherwise
+    ``prefill.paged_prefill`` in query chunks of ``budget`` scores. A
+    padding query gets zeros."""
     B, HQ, T, D = query.shape
     out = torch.zeros(B, T, HQ, D, dtype=query.dtype, device=query.device)
     lay = paged.layer(layer)
+    triton = cache.backend == "triton" or (cache.backend == "auto" and query.is_cuda)
+    fused = triton and D % 8 == 0 and 16 <= D <= 256
+    nope = slopes is None or not bool((slopes != 0).any())
     for b, slot in enumerate(cache.slots):
         idx = real[b].nonzero().flatten()
         if idx.numel() == 0:
             continue
         q = query[b, :, idx].transpose(0, 1)  # [t, HQ, D]
-        out[b, idx] = paged_prefill(q, lay, paged.page_ids(slot), paged.length(slot), alpha=cache.alpha,
+        n = paged.length(slot)
+        if fused:
+            out[b, idx] = _fused_row(q, lay, paged.page_ids(slot), n, cache.alpha, scale, slopes, nope)
+            continue
+        out[b, idx] = paged_prefill(q, lay, paged.page_ids(slot), n, alpha=cache.alpha,
                                     scale=scale, alibi_slopes=slopes, max_scores=budget)
     return out
+
+
+def _fused_row(q, lay, pages, n: int, alpha: float, scale: float, slopes, nope: bool) -> torch.Tensor:
+    """One row's prefill on the GPU path: q [t, HQ, D] (the last t of the
+    row's n cached tokens) -> [t, HQ, D] in q's dtype."""
+    import torch.nn.functional as F
+
+    from ..kernels.prefill import causal_attention
+    from ..prefill import gather_row
+
+    k, v = gather_row(lay, pages, n)  # [H, n, D]
+    qh, kh, vh = q.transpose(0, 1)[None], k[None].to(q.dtype), v[None].to(q.dtype)
+    if alpha == 1.0 and nope and q.shape[0] == n:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    else:
+        o = causal_attention(qh, kh, vh, alpha=alpha, scale=scale, slopes=None if nope else slopes)
+    return o[0].transpose(0, 1)

@@ -17,6 +17,22 @@ H.register()
 register_dense()
 
 
+def _agree(got, want, gs, ws, tol):
+    """Greedy runs agree: per row, the scores match to ``tol`` (relative)
+    up to and including the first step whose tokens differ (its inputs were
+    the same), and a differing token is a near-tie of the reference (its top
+    two scores within tol of the scores' scale)."""
+    for b in range(got.shape[0]):
+        diff = (got[b] != want[b]).nonzero().flatten()
+        k = int(diff[0]) + 1 if diff.numel() else got.shape[1]
+        err = float((gs[b, :k] - ws[b, :k]).norm() / ws[b, :k].norm())
+        assert err < tol, f"row {b}: scores differ by {err:.3g} over steps 0..{k - 1}"
+        if diff.numel():
+            top2 = ws[b, k - 1].topk(2).values
+            gap = float(top2[0] - top2[1]) / float(ws[b, k - 1].abs().max())
+            assert gap < tol, f"row {b}: token {k - 1} differs with a top-2 gap of {gap:.3g} (not a near-tie)"
+
+
 def _prompt(seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, SMALL["vocab_size"], (3, 40), generator=g).cuda()
@@ -34,8 +50,7 @@ def test_softmax_full_equals_eager(name, dtype):
     want, ws = generate(model, "eager", ids, mask, n=6)
     cache = H.EntmaxKVCache(model, policy=Full(), alpha=1.0, page_size=8, max_len=128)
     got, gs = generate(model, "entmaxkv", ids, mask, cache, n=6)
-    assert float((gs - ws).norm() / ws.norm()) < 2e-2
-    assert float((got == want).float().mean()) >= 0.9  # half precision may flip a near-tie
+    _agree(got, want, gs, ws, 2e-2 if dtype == torch.float16 else 4e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -47,5 +62,4 @@ def test_entmax_equals_dense_reference(policy, dtype):
     want, ws = generate(model, "entmax_dense", ids, mask, n=6)
     cache = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128)
     got, gs = generate(model, "entmaxkv", ids, mask, cache, n=6)
-    assert float((gs - ws).norm() / ws.norm()) < 2e-2
-    assert float((got == want).float().mean()) >= 0.9
+    _agree(got, want, gs, ws, 2e-2 if dtype == torch.float16 else 4e-2)
