@@ -141,6 +141,7 @@ class Decoder:
         self._ids_buf = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._last_ids = None  # the host ids last copied into _ids_buf
         self._plan = None
+        self._plan_key = None
         self._layers = {}  # id(kv) -> (kv, plan tables, layer view)
         self._graphs: "OrderedDict[tuple, _Graph]" = OrderedDict()
         self._cert = {}  # id(kv) -> _CertState
@@ -169,6 +170,10 @@ class Decoder:
                 f"but {block_table.shape[1]} pages of {self.page_size} hold more")
         ids = self._plan_ids(seq_ids, block_table.shape[0])
         self._plan = (block_table, seq_lens, ids)
+        # what a per-layer graph is keyed by from the plan, read once here
+        # rather than in every run (host time per layer)
+        self._plan_key = (block_table.data_ptr(), seq_lens.data_ptr(), ids.data_ptr(), ids.shape[0],
+                          block_table.shape[1])
         return self
 
     def plan_cache(self, cache, seq_ids: Union[Sequence[int], torch.Tensor]) -> "Decoder":
@@ -321,8 +326,7 @@ class Decoder:
                              self.slopes)
 
     def _run_graph(self, q, layer, ids, out, return_stats, dense, lkey):
-        key = (lkey, layer.block_table.data_ptr(), layer.seq_lens.data_ptr(), ids.data_ptr(), ids.shape[0],
-               layer.block_table.shape[1], q.dtype, return_stats, dense)
+        key = (lkey, self._plan_key, q.dtype, return_stats, dense)
         g = self._graphs.get(key)
         if g is None:
             g = _Graph(torch.empty_like(q), torch.empty_like(q))
