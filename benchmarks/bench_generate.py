@@ -226,6 +226,19 @@ class StaticSDPA:
         return out
 
 
+def warm_prefill(model, prompt, cfg, args, device) -> None:
+    """Prefill a short prompt in two chunks first, so the timed prefill does
+    not include compiling its kernels (a whole-prompt chunk and one over
+    cached context)."""
+    chunk = min(args.prefill_chunk, 1024, max(1, prompt.shape[1] // 2))
+    n = min(prompt.shape[1], 2 * chunk)
+    per = -(-n // args.page_size)
+    B = prompt.shape[0]
+    warm = PagedKVCache(B * per, args.page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=B, max_pages_per_seq=per,
+                        dtype=next(model.parameters()).dtype, device=device, num_layers=cfg.n_layers)
+    model.prefill_paged(prompt[:, :n], warm, [warm.allocate() for _ in range(B)], chunk_tokens=chunk)
+
+
 # ----------------------------------------------------------------- one case
 def run_case(model, suite, B, n, methods, args, clock, bandwidth):
     device = next(model.parameters()).device
@@ -240,20 +253,26 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
                              max_pages_per_seq=per_seq, dtype=next(model.parameters()).dtype, device=device,
                              num_layers=cfg.n_layers)
         seqs = [cache.allocate() for _ in range(B)]
-        prefill_s, logits = clock.wall(lambda: model.prefill_paged(prompt, cache, seqs,
-                                                                   chunk_tokens=args.prefill_chunk))
+        old = set_alpha(model, args.prefill_alpha)
+        try:
+            warm_prefill(model, prompt, cfg, args, device)
+            prefill_s, logits = clock.wall(lambda: model.prefill_paged(prompt, cache, seqs,
+                                                                       chunk_tokens=args.prefill_chunk))
+        finally:
+            model.cfg.attention, model.cfg.alpha = old
         tok = logits.argmax(-1)
         for name in paged_methods:
             alpha, policy = METHODS[name]
             old = set_alpha(model, alpha)
-            row = {"model": suite, "batch": B, "n": n, "method": name, "prefill_s": prefill_s}
+            row = {"model": suite, "batch": B, "n": n, "method": name, "prefill_s": prefill_s,
+                   "prefill_alpha": args.prefill_alpha if args.prefill_alpha is not None else cfg.attn_alpha}
             try:
                 if name == "certified_sketch":
                     t0 = time.perf_counter()
                     with_sketch = sketched(cache, SKETCH_DIMS)
                     row["sketch_fit_s"] = time.perf_counter() - t0
                 run = ModelStep(model, with_sketch if name == "certified_sketch" else cache, policy,
-                                cuda_graph=not args.no_cuda_graph)
+                                cuda_graph=not args.no_cuda_graph, fused=False if args.no_fused else None)
                 for _ in range(args.warmup):
                     tok = run.step(tok, seqs).argmax(-1)
                 ts, out = [], {}
@@ -350,6 +369,11 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=32768, help="prefill chunk in tokens")
     ap.add_argument("--bandwidth", type=float, default=4.26e12, help="bytes/s of the floor (H200: 4.26e12)")
     ap.add_argument("--no-cuda-graph", action="store_true", help="eager steps (the host-bound path)")
+    ap.add_argument("--prefill-alpha", type=float, default=None,
+                    help="alpha of the prompt's prefill (default: the model's; 1: softmax through SDPA, "
+                         "for decode timings of random-weight models only: prefill_s is then SDPA's)")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="the model's PyTorch elementwise code in the step (not entmaxkv/kernels/model.py's kernels)")
     ap.add_argument("--checkpoint", default="checkpoints/entmax", help="the twin checkpoint")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="folder for bench_generate.json and .png")
