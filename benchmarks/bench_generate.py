@@ -71,17 +71,28 @@ SKETCH_DIMS = 8
 
 
 # ----------------------------------------------------------------- models
-def build_model(suite: str, device, checkpoint: str) -> TransformerLM:
+# weights and cache dtype per suite: the twin as served on a GPU (float16: its
+# trained float32 weights fit that range), the 8B shape in bfloat16
+DTYPES = {"twin": torch.float16, "llama8b": torch.bfloat16, "tiny": torch.float32}
+
+
+def build_model(suite: str, device, checkpoint: str, dtype=None) -> TransformerLM:
+    """The suite's model in ``dtype`` (None: DTYPES[suite]); its ALiBi slopes stay float32."""
+    dtype = DTYPES[suite] if dtype is None else dtype
     if suite == "twin":
         from entmaxkv.model.checkpoint import load_model
 
-        return load_model(checkpoint, device=device).eval()
-    cfg = ModelConfig.llama8b_shape() if suite == "llama8b" else ModelConfig(
-        vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, positions="nape")
-    dtype = torch.bfloat16 if suite == "llama8b" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        return TransformerLM(cfg).to(dtype).eval()
+        model = load_model(checkpoint, device=device)
+    else:
+        cfg = ModelConfig.llama8b_shape() if suite == "llama8b" else ModelConfig(
+            vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, positions="nape")
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = TransformerLM(cfg)
+    slopes = model.slopes.clone()
+    model = model.to(dtype).eval()
+    model.slopes = slopes  # (a buffer: .to cast it)
+    return model
 
 
 def prompt_tokens(suite: str, B: int, n: int, vocab: int) -> torch.Tensor:
@@ -264,7 +275,8 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
         for name in paged_methods:
             alpha, policy = METHODS[name]
             old = set_alpha(model, alpha)
-            row = {"model": suite, "batch": B, "n": n, "method": name, "prefill_s": prefill_s,
+            row = {"model": suite, "batch": B, "n": n, "method": name, "dtype": str(cache.dtype).split(".")[-1],
+                   "prefill_s": prefill_s,
                    "prefill_alpha": args.prefill_alpha if args.prefill_alpha is not None else cfg.attn_alpha}
             try:
                 if name == "certified_sketch":
@@ -374,6 +386,8 @@ def main(argv=None):
                          "for decode timings of random-weight models only: prefill_s is then SDPA's)")
     ap.add_argument("--no-fused", action="store_true",
                     help="the model's PyTorch elementwise code in the step (not entmaxkv/kernels/model.py's kernels)")
+    ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                    help="weights and cache (default: float16 for the twin, bfloat16 for llama8b, float32 for tiny)")
     ap.add_argument("--checkpoint", default="checkpoints/entmax", help="the twin checkpoint")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="folder for bench_generate.json and .png")
@@ -393,7 +407,8 @@ def main(argv=None):
             ls = [int(n) for n in args.lengths.split(",")] if args.lengths else sorted({n for _, ns in cases
                                                                                        for n in ns})
             cases = [(b, ls) for b in bs]
-        model = build_model(suite, device, args.checkpoint)
+        model = build_model(suite, device, args.checkpoint,
+                            None if args.dtype is None else getattr(torch, args.dtype))
         with torch.no_grad():
             for B, lengths in cases:
                 for n in lengths:
