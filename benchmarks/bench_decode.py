@@ -74,7 +74,7 @@ METHODS = {
     "certified_sketch": (ALPHA, Certified()),  # the same policy over a cache with key sketches
     "sdpa": (1.0, "sdpa"),
 }
-SKETCH_DIMS = 8
+SKETCH_DIMS = 8  # the default of --sketch-dims
 
 
 def sketch_bytes(cache, ids, q, pol, scale) -> float:
@@ -85,7 +85,7 @@ def sketch_bytes(cache, ids, q, pol, scale) -> float:
     from entmaxkv.policies import certified_parts
     from entmaxkv.scoring import page_layout
 
-    P, H, m = cache.page_size, cache.kv_heads, SKETCH_DIMS
+    P, H, m = cache.page_size, cache.kv_heads, cache.sketch.dims
     total = 0.0
     for b in range(q.shape[0]):
         row = ids[b:b + 1].long()
@@ -230,6 +230,9 @@ def main(argv=None):
     ap.add_argument("--warm-ms", type=float, default=200.0,
                     help="untimed replays go on for at least this long (after --warmup of them)")
     ap.add_argument("--check", action="store_true", help="compare outputs with a float32 reference")
+    ap.add_argument("--sketch-dims", type=int, default=SKETCH_DIMS,
+                    help="coordinates per token of certified_sketch's key sketches (1 .. head_dim; i.i.d. keys "
+                         "have no low-rank structure: head_dim)")
     ap.add_argument("--out", default=None, help="folder for bench_decode.json / .png")
     ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
                     help="a KernelConfig field for every kernel call (A/B runs), e.g. pdl=False or "
@@ -261,9 +264,11 @@ def main(argv=None):
         with_sketch = None
         for meth in args.methods.split(","):
             if meth == "certified_sketch" and with_sketch is None:
-                with_sketch = sketched(cache, SKETCH_DIMS)
+                with_sketch = sketched(cache, args.sketch_dims)
             row = dict(config=cname, method=meth, batch=B, n=n, q_heads=HQ, kv_heads=H, head_dim=D,
                        dtype=str(dtype).replace("torch.", ""), page=P)
+            if meth == "certified_sketch":
+                row["sketch_dims"] = args.sketch_dims
             try:
                 c = with_sketch if meth == "certified_sketch" else cache
                 step = make_step(K, meth, c, ids, q, k4, v4, scale, kcfg)
