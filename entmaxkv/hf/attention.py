@@ -110,7 +110,6 @@ def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: 
     lay = paged.layer(layer)
     triton = cache.backend == "triton" or (cache.backend == "auto" and query.is_cuda)
     fused = triton and D % 8 == 0 and 16 <= D <= 256
-    nope = slopes is None or not bool((slopes != 0).any())
     for b, slot in enumerate(cache.slots):
         idx = real[b].nonzero().flatten()
         if idx.numel() == 0:
@@ -118,25 +117,20 @@ def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: 
         q = query[b, :, idx].transpose(0, 1)  # [t, HQ, D]
         n = paged.length(slot)
         if fused:
-            out[b, idx] = _fused_row(q, lay, paged.page_ids(slot), n, cache.alpha, scale, slopes, nope)
+            out[b, idx] = _kernel_row(q, lay, paged.page_ids(slot), n, cache.alpha, scale, slopes)
             continue
         out[b, idx] = paged_prefill(q, lay, paged.page_ids(slot), n, alpha=cache.alpha,
                                     scale=scale, alibi_slopes=slopes, max_scores=budget)
     return out
 
 
-def _fused_row(q, lay, pages, n: int, alpha: float, scale: float, slopes, nope: bool) -> torch.Tensor:
-    """One row's prefill on the GPU path: q [t, HQ, D] (the last t of the
-    row's n cached tokens) -> [t, HQ, D] in q's dtype."""
-    import torch.nn.functional as F
-
-    from ..kernels.prefill import causal_attention
+def _kernel_row(q, lay, pages, n: int, alpha: float, scale: float, slopes) -> torch.Tensor:
+    """One row's prefill through the kernels (``model.lm.kernel_prefill``):
+    q [t, HQ, D] (the last t of the row's n cached tokens) -> [t, HQ, D]."""
+    from ..model.lm import kernel_prefill
     from ..prefill import gather_row
 
     k, v = gather_row(lay, pages, n)  # [H, n, D]
-    qh, kh, vh = q.transpose(0, 1)[None], k[None].to(q.dtype), v[None].to(q.dtype)
-    if alpha == 1.0 and nope and q.shape[0] == n:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
-    else:
-        o = causal_attention(qh, kh, vh, alpha=alpha, scale=scale, slopes=None if nope else slopes)
+    o = kernel_prefill(q.transpose(0, 1)[None], k[None].to(q.dtype), v[None].to(q.dtype), alpha=alpha,
+                       scale=scale, slopes=slopes)
     return o[0].transpose(0, 1)

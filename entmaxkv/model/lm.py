@@ -202,14 +202,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alph
     CPU, or with backend "reference", the chunked reference runs.
     """
     if q.device.type == "cuda" and backend != "reference":
-        nope = not bool((slopes != 0).any())
-        if alpha == 1.0 and nope and q.shape[2] == k.shape[2]:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
-        from ..kernels.prefill import causal_attention as fused
-
-        return fused(q, k, v, alpha=alpha, scale=scale, slopes=None if nope else slopes)
+        return kernel_prefill(q, k, v, alpha=alpha, scale=scale, slopes=slopes)
     return causal_attention(q, k, v, alpha=alpha, scale=scale, slopes=slopes, chunk=chunk)
+
+
+def kernel_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alpha: float, scale: float,
+                   slopes: Optional[torch.Tensor]) -> torch.Tensor:
+    """``prefill_attention``'s kernel path on any device the kernels run on
+    (CUDA, or the CPU under Triton's interpreter): torch SDPA's causal
+    kernel for softmax without ALiBi over a whole prompt (Tq == Tk), else
+    EntmaxKV's fused Triton prefill kernel. Shapes as ``causal_attention``;
+    ``slopes`` float [H] or None (no bias)."""
+    nope = slopes is None or not bool((slopes != 0).any())
+    if alpha == 1.0 and nope and q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    from ..kernels.prefill import causal_attention as fused
+
+    return fused(q, k, v, alpha=alpha, scale=scale, slopes=None if nope else slopes)
 
 
 class Attention(nn.Module):
