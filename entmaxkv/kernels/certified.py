@@ -275,10 +275,9 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
                           tau_init=seed_sel.tau_hat, config=cfg, ws=ws)
     if sketched:  # token sketches only for pages outside the seed that the summary does not rule out
-        from .sketch import need_bounds
-
-        ubs = need_bounds(q, cache, ids, scale=scale, slopes=slopes, base=pb, seed=mask, tau=tau_a,
-                          alpha=alpha, terms=terms, ws=ws)
+        # need_bounds' launch, its arguments checked above (once per layer)
+        ubs = SK._bounds_launch(q, cache, sk, bt, strides, ids, scale_f, slopes, mask, HQ // S, pb,
+                                tau_a.to(torch.float32).contiguous(), float(alpha) - 1.0, terms, ws)
     return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
                     window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
 
