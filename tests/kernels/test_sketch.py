@@ -382,18 +382,8 @@ def test_certified_with_sketches_matches_reference(dtype, G, seed_kind):
     pages (same seeds, same safe bounds up to rounding far from the cut)."""
     from entmaxkv import Certified, Full, Gaussian, TopK, decode
 
-    H, D, P = 2, 16, 4
-    gen = torch.Generator().manual_seed(_seed(str(dtype), G, seed_kind))
-    basis = torch.randn(H, 3, D, generator=gen)
     lens = [70, 33]
-    keys = torch.einsum("bnhr,hrd->bnhd", torch.randn(2, 70, H, 3, generator=gen) * 2, basis) + 1.0
-    vals = torch.randn(2, 70, H, D, generator=gen)
-    cache, rows = PagedKVCache.from_dense(keys, vals, lens, P, dtype=dtype, spare_pages=2, generator=gen,
-                                          device=DEVICE)
-    cache.enable_sketches(dims=4)
-    HQ = H * G
-    q = (torch.randn(2, HQ, D, generator=gen) * 2).to(dtype).to(DEVICE)
-    slopes = torch.tensor([0.0] * G + [0.4] * G, device=DEVICE)  # KV head 1: ALiBi heads only
+    cache, rows, q, slopes = _sketched_pair(_seed(str(dtype), G, seed_kind), G, dtype, lens=lens)
     seed = TopK(16) if seed_kind == "topk" else Gaussian(q_max=0.9)
     pol = Certified(seed=seed, alibi_seed=TopK(8), dense_above=1.0)
     kw = dict(alpha=1.5, alibi_slopes=slopes, return_stats=True)
@@ -407,11 +397,11 @@ def test_certified_with_sketches_matches_reference(dtype, G, seed_kind):
     assert torch.allclose(out.float(), full.float(), atol=tol) and torch.allclose(ref.float(), full.float(), atol=tol)
 
 
-
-def _sketched_pair(tag, G, dtype=torch.float16, lens=(70, 33), H=2, D=16, P=4):
+def _sketched_pair(seed, G, dtype=torch.float16, lens=(70, 33), H=2, D=16, P=4):
     """A sketched cache from dense keys of low rank plus an offset, its
-    rows, queries [2, H * G, D] and ALiBi slopes on KV head 1's heads only."""
-    gen = torch.Generator().manual_seed(_seed(tag, G, str(dtype)))
+    rows, queries [len(lens), H * G, D] and ALiBi slopes on the heads of KV
+    heads 1 .. H - 1 only."""
+    gen = torch.Generator().manual_seed(seed)
     T = max(lens)
     basis = torch.randn(H, 3, D, generator=gen)
     keys = torch.einsum("bnhr,hrd->bnhd", torch.randn(len(lens), T, H, 3, generator=gen) * 2, basis) + 1.0
@@ -433,7 +423,7 @@ def test_certified_sketch_seed_tables(case, launches):
     from entmaxkv import Certified, Full, TopK, decode
     from entmaxkv.kernels.config import KernelConfig, TopKConfig
 
-    cache, rows, q, slopes = _sketched_pair(case, 2)
+    cache, rows, q, slopes = _sketched_pair(_seed(case, 2, "torch.float16"), 2)
     config = KernelConfig(topk=TopKConfig(rowsel_min_pages=1))  # the row selection at any size
     seed, alibi_seed, per = TopK(16), TopK(8), False
     if case == "per_query_head_seed":
@@ -488,7 +478,7 @@ def test_need_bounds_marks_what_the_reference_marks(per):
     """need_bounds = sketch_bounds over the pages the certified policy
     marks: valid, outside the seed, base bound clearing tau for some head
     of the mask row."""
-    cache, rows, q, slopes = _sketched_pair("need", 2, lens=(70, 41))
+    cache, rows, q, slopes = _sketched_pair(_seed("need", 2, "torch.float16"), 2, lens=(70, 41))
     ids = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     B, HQ = q.shape[:2]
     H = cache.kv_heads
