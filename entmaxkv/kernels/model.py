@@ -5,7 +5,7 @@ A decode step moves a few rows through every layer, so its norms, rotary
 embedding, SwiGLU product and residual adds are a few kilobytes each, and
 their cost is the launches: the PyTorch forms take one kernel per operator
 (bfloat16: RMSNorm 9, rotary 17 per tensor, SwiGLU 2, each residual add 1),
-~1.5-3 us each even replayed from a CUDA graph. Here each is one launch
+each with its fixed launch cost even replayed from a CUDA graph. Here each is one launch
 (docs/prefill.md counts a bfloat16 RoPE layer: 56 launches in PyTorch, 4 here):
 
     add_rms_norm(x, delta, weight, eps)   r = x + delta, y = RMSNorm(r)     (y, r)

@@ -25,7 +25,7 @@ by construction) or the certified selection, and the two are separate
 graphs.
 
 Outside attention a decode step is a few rows of elementwise work, whose
-cost is its launches (~1.5-3 us each, replayed or not). With ``fused`` (the
+cost is its launches (a fixed cost each, replayed or not). With ``fused`` (the
 default on the Triton backend on CUDA) they are ``entmaxkv.kernels.model``'s
 kernels: one RMSNorm launch fused with the residual add before it, one
 rotary launch for q and k, one SwiGLU product, the logits written in place:
