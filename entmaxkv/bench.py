@@ -91,9 +91,12 @@ def _runner(args, device):
     hf.register()
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=hf.ATTN_IMPLEMENTATION).to(device).eval()
 
+    # one cache, reset per run: its paged cache and CUDA graphs are made once
+    cache = hf.EntmaxKVCache(model, policy=policy, alpha=args.alpha, page_size=args.page_size,
+                             max_len=args.input_len + args.output_len, backend=args.backend)
+
     def run(prompt):
-        cache = hf.EntmaxKVCache(model, policy=policy, alpha=args.alpha, page_size=args.page_size,
-                                 max_len=args.input_len + args.output_len, backend=args.backend)
+        cache.reset()
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
                               max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
                               pad_token_id=0)

@@ -79,6 +79,35 @@ def test_padded_batch_equals_rows_alone():
         assert torch.equal(alone[0], batch[b]), b
 
 
+def test_reset_reuses_the_paged_cache():
+    """After ``reset`` a cache generates what a fresh one does, in the same
+    paged cache and decoder (their tensors, so captured graphs stay valid);
+    a larger batch after a reset gets a new paged cache."""
+    model = _model("llama", seed=9)
+    cache = H.EntmaxKVCache(model, policy=TopK(8), page_size=4, max_len=64)
+    held, free_after = [], None
+    for seed in (10, 11):
+        ids, mask = _prompt(seed=seed, batch=2, pad=(0, 5))
+        want, want_s = _generate(model, "entmaxkv", ids, mask,
+                                 H.EntmaxKVCache(model, policy=TopK(8), page_size=4, max_len=64))
+        cache.reset()
+        got, got_s = _generate(model, "entmaxkv", ids, mask, cache)
+        assert torch.equal(got, want)
+        assert _rel(got_s, want_s) < 1e-6
+        held.append((cache.paged, cache._decoder))
+        if free_after is None:
+            free_after = cache.paged.free_pages
+        assert cache.paged.free_pages == free_after  # the rows' pages came back and were taken again
+    assert held[0][0] is held[1][0] and held[0][1] is held[1][1]
+    cache.reset()
+    assert cache.paged.free_pages == cache.paged.num_pages
+    ids, mask = _prompt(seed=12, batch=3)
+    got, _ = _generate(model, "entmaxkv", ids, mask, cache)
+    assert cache.paged is not held[0][0] and len(cache.slots) == 3
+    want, _ = _generate(model, "entmaxkv", ids, mask, H.EntmaxKVCache(model, policy=TopK(8), page_size=4, max_len=64))
+    assert torch.equal(got, want)
+
+
 def test_chunked_prefill_equals_one_shot():
     """A prompt fed in two chunks (the second over cached context) gives the
     one-shot logits, and the same next token through the decode path."""

@@ -65,7 +65,7 @@ class _Layer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.seen = 0
-        self.owner._paged = None
+        self.owner._release()
 
     def reorder_cache(self, beam_idx) -> None:
         _refuse("beam search (reorder_cache)")
@@ -101,6 +101,12 @@ class EntmaxKVCache(Cache):
         backend: "auto", "reference" or "triton".
         prefill_scores: int >= 1, the most attention scores a prompt's
             dense attention holds at once (it runs in query chunks).
+
+    ``cache.reset()`` frees the rows and keeps the paged cache and the
+    decoder with its CUDA graphs, so one cache serves many ``generate``
+    calls without capturing again (a new cache captures one graph per layer
+    in its first decode steps). A larger batch or another dtype after a reset
+    builds a new paged cache.
     Raises:
         Unsupported (a ValueError) for a config with sliding-window or
         soft-capped attention or attention sinks, and, during generation, for
@@ -142,16 +148,30 @@ class EntmaxKVCache(Cache):
         """The paged cache of every layer (None before the first forward)."""
         return self._paged
 
+    def _release(self) -> None:
+        """``reset``: free the rows but keep the paged cache and the decoder,
+        so the next generation on this cache writes to the same tensors and
+        replays the CUDA graphs captured before (made once per layer)."""
+        if self._slots is not None and self._paged is not None:
+            for s in self._slots:
+                self._paged.free(s)
+        self._slots = None
+
     def _bind(self, key_states: torch.Tensor, value_states: torch.Tensor, index: int) -> None:
-        """Build the paged cache at the first update (batch size, dtype, device known then)."""
+        """Build the paged cache at the first update (batch size, dtype,
+        device known then), or take rows in it again after a ``reset``."""
         B = key_states.shape[0]
+        dtype = self.dtype or key_states.dtype
+        device = torch.device(self.device or key_states.device)
+        if self._paged is not None and self._slots is None and (
+                B > self._paged.max_seqs or self._paged.dtype != dtype or not _same_device(self._paged.device, device)):
+            self._paged = self._decoder = None  # reset, then a larger batch or another dtype: a new cache
         if self._paged is None:
-            dtype = self.dtype or key_states.dtype
-            device = self.device or key_states.device
             per_seq = -(-self.max_len // self.page_size)
             self._paged = PagedKVCache(B * per_seq, self.page_size, self.kv_heads, self.head_dim, max_seqs=B,
                                        max_pages_per_seq=per_seq, dtype=dtype, device=device,
                                        num_layers=self.num_layers)
+        if self._slots is None:
             self._slots = [self._paged.allocate() for _ in range(B)]
         elif B != len(self._slots):
             _refuse(f"a batch of {B} rows after {len(self._slots)} (the batch changed between steps)")
@@ -173,6 +193,11 @@ class EntmaxKVCache(Cache):
     @property
     def slots(self):
         return self._slots
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` and ``b`` name one device (a missing index matches any)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def _check_config(cfg) -> None:
