@@ -144,6 +144,24 @@ class Clock:
         return time.perf_counter() - t0, out
 
 
+def kernel_profile(call, steps: int, top: int = 12) -> dict:
+    """{kernel name: mean device microseconds per step} of the ``top`` costliest
+    kernels over ``steps`` calls, from torch.profiler's device events (graph
+    replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            call()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name] = per.get(ev.name, 0.0) + ev.device_time / steps
+    ranked = sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    return {name[:80]: round(us, 2) for name, us in ranked}
+
+
 def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -258,7 +276,7 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
     rows = []
     paged_methods = [m for m in methods if m != "sdpa_static"]
     if paged_methods:
-        total = n + len(paged_methods) * (args.warmup + args.steps + 2)
+        total = n + len(paged_methods) * (args.warmup + args.steps + args.profile + 2)
         per_seq = -(-total // args.page_size)
         cache = PagedKVCache(B * per_seq, args.page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=B,
                              max_pages_per_seq=per_seq, dtype=next(model.parameters()).dtype, device=device,
@@ -294,6 +312,8 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
 
                     ts.append(clock.time(call))
                     tok = out["logits"].argmax(-1)
+                if args.profile and device.type == "cuda":
+                    row["kernels_us"] = kernel_profile(lambda run=run, tok=tok: run.step(tok, seqs), args.profile)
                 _, stats = run.step(tok, seqs, return_stats=True)
                 ms = statistics.median(ts)
                 floor_ms = floor_bytes_paged(model, stats, cache, name) / bandwidth * 1e3
@@ -388,12 +408,14 @@ def main(argv=None):
                     help="the model's PyTorch elementwise code in the step (not entmaxkv/kernels/model.py's kernels)")
     ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                     help="weights and cache (default: float16 for the twin, bfloat16 for llama8b, float32 for tiny)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also record each method's costliest kernels over STEPS profiled steps (CUDA)")
     ap.add_argument("--checkpoint", default="checkpoints/entmax", help="the twin checkpoint")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="folder for bench_generate.json and .png")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        ap.error("--steps and --warmup must be >= 1")
+    if args.steps < 1 or args.warmup < 1 or args.profile < 0:
+        ap.error("--steps and --warmup must be >= 1 and --profile >= 0")
     device = torch.device(args.device)
     clock = Clock(device)
     rows, t0 = [], time.time()

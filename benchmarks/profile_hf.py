@@ -1,0 +1,87 @@
+"""Where the host time of transformers' generate() goes, with EntmaxKVCache or HF's sdpa.
+
+A script (GPU machine; ``--device cpu`` for a dry run). Builds the model of
+``bench_hf``, prefills a random prompt, then profiles ``generate`` of
+``--new`` tokens with cProfile and prints the functions with the most own
+time per generated token, and how many host synchronisations one decode
+token makes (CUDA's sync debug mode), so host work has a measured target.
+
+    python -m benchmarks.profile_hf --model llama8b --length 32768 --method entmaxkv
+    python -m benchmarks.profile_hf --model tiny --length 64 --new 4 --device cpu   # dry run
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import warnings
+
+import torch
+
+from .bench_hf import BASELINE, build
+
+
+def main(argv=None):
+    import entmaxkv.hf as H
+    from entmaxkv import TopK
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama8b", choices=["llama8b", "twin", "tiny"])
+    ap.add_argument("--length", type=int, default=32768, help="prompt tokens (>= 1)")
+    ap.add_argument("--new", type=int, default=16, help="generated tokens profiled (>= 2)")
+    ap.add_argument("--method", default="entmaxkv", choices=["entmaxkv", "baseline"],
+                    help="EntmaxKVCache(TopK(--budget)) or the model's HF baseline (bench_hf.BASELINE)")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--top", type=int, default=30, help="rows printed (>= 1)")
+    ap.add_argument("--checkpoint", default="checkpoints/entmax", help="the twin checkpoint")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args(argv)
+    if args.length < 1 or args.new < 2 or args.top < 1:
+        ap.error("--length must be >= 1, --new >= 2 and --top >= 1")
+    device = torch.device(args.device)
+    model = build(args.model, device, args.checkpoint)
+    ids = torch.randint(1, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    mask = torch.ones_like(ids)
+
+    def generate(k: int):
+        if args.method == "entmaxkv":
+            model.set_attn_implementation("entmaxkv")
+            kw = {"past_key_values": H.EntmaxKVCache(model, policy=TopK(args.budget), max_len=args.length + k)}
+        else:
+            model.set_attn_implementation(BASELINE[args.model])
+            kw = {"cache_implementation": "static", "disable_compile": True}
+        return model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                              pad_token_id=0, **kw)
+
+    with torch.no_grad():
+        generate(2)  # warm-up (compiles kernels)
+        prof = cProfile.Profile()
+        prof.enable()
+        generate(args.new)
+        prof.disable()
+        prefill = cProfile.Profile()
+        prefill.enable()
+        generate(1)
+        prefill.disable()
+        syncs = 0
+        if device.type == "cuda":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    generate(2)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+    total = pstats.Stats(prof).total_tt - pstats.Stats(prefill).total_tt
+    print(f"{args.model} n={args.length} {args.method}: host {1e3 * total / (args.new - 1):.2f} ms per decode "
+          f"token (cProfile, {args.new} tokens less 1); host syncs in a 2-token generate: {syncs}")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
