@@ -22,6 +22,20 @@ import torch
 from .bench_hf import BASELINE, build
 
 
+def sync_count(call, device) -> int:
+    """Host synchronisations CUDA's sync debug mode reports during ``call()`` (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def main(argv=None):
     import entmaxkv.hf as H
     from entmaxkv import TopK
@@ -65,19 +79,10 @@ def main(argv=None):
         prefill.enable()
         generate(1)
         prefill.disable()
-        syncs = 0
-        if device.type == "cuda":
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    generate(2)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
+        syncs = sync_count(lambda: generate(2), device) - sync_count(lambda: generate(1), device)
     total = pstats.Stats(prof).total_tt - pstats.Stats(prefill).total_tt
     print(f"{args.model} n={args.length} {args.method}: host {1e3 * total / (args.new - 1):.2f} ms per decode "
-          f"token (cProfile, {args.new} tokens less 1); host syncs in a 2-token generate: {syncs}")
+          f"token (cProfile, {args.new} tokens less 1); host syncs per decode token: {syncs}")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue())
