@@ -3,8 +3,10 @@
 A script (GPU machine; ``--device cpu`` for a dry run). Builds the model of
 ``bench_hf``, prefills a random prompt, then profiles ``generate`` of
 ``--new`` tokens with cProfile and prints the functions with the most own
-time per generated token, and how many host synchronisations one decode
-token makes (CUDA's sync debug mode), so host work has a measured target.
+time per decode token (a generate of ``--new`` tokens less one of a
+single token, so the prefill is left out), and how many host
+synchronisations one decode token makes (CUDA's sync debug mode), so host
+work has a measured target.
 
     python -m benchmarks.profile_hf --model llama8b --length 32768 --method entmaxkv
     python -m benchmarks.profile_hf --model tiny --length 64 --new 4 --device cpu   # dry run
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import pstats
 import warnings
 
@@ -84,12 +85,19 @@ def main(argv=None):
         generate(1)
         prefill.disable()
         syncs = sync_count(lambda: generate(2), device) - sync_count(lambda: generate(1), device)
-    total = pstats.Stats(prof).total_tt - pstats.Stats(prefill).total_tt
-    print(f"{args.model} n={args.length} {args.method}: host {1e3 * total / (args.new - 1):.2f} ms per decode "
-          f"token (cProfile, {args.new} tokens less 1); host syncs per decode token: {syncs}")
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
-    print(out.getvalue())
+    full, first = pstats.Stats(prof).stats, pstats.Stats(prefill).stats
+    per = args.new - 1
+    rows = []  # (own s, cumulative s, calls) per decode token: generate(new) less generate(1)
+    for fn, (_, nc, tt, ct, _) in full.items():
+        _, nc1, tt1, ct1, _ = first.get(fn, (0, 0, 0.0, 0.0, None))
+        rows.append(((tt - tt1) / per, (ct - ct1) / per, (nc - nc1) / per, fn))
+    total = sum(r[0] for r in rows)
+    print(f"{args.model} n={args.length} {args.method}: host {1e3 * total:.2f} ms per decode token "
+          f"(cProfile, its overhead included: generate of {args.new} tokens less generate of 1); "
+          f"host syncs per decode token: {syncs}")
+    print(f"{'own ms':>9} {'cum ms':>9} {'calls':>7}  function (per decode token)")
+    for tt, ct, nc, (file, line, name) in sorted(rows, key=lambda r: -r[0])[:args.top]:
+        print(f"{1e3 * tt:9.3f} {1e3 * ct:9.3f} {nc:7.1f}  {file}:{line}({name})")
 
 
 if __name__ == "__main__":
