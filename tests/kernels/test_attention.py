@@ -123,6 +123,46 @@ def test_finish_support_from_memory_over_several_splits(alpha, mode, sums, launc
     assert (x[0] > rtau[0, :, None]).sum(-1).min() > 100  # (support over several chunks and splits)
 
 
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+@pytest.mark.parametrize("mode", ["memory", "runtime-choice"])
+def test_finish_prune_drops_candidates_below_the_rows_bound(alpha, mode, launches):
+    """finish_prune: lists longer than the register tile lose, in one pass,
+    the candidates below the row's best lower bound on tau (the max over its
+    splits), and the solve reads the rest. The split pass is the same with
+    and without it, so its list lengths (cn, which the pruning finish
+    rewrites) show what was dropped: fewer candidates, never fewer than the
+    support, and the same exact output either way. Nearly flat keys, the
+    first third of the long row's raised along its queries: the split
+    holding them bounds tau far above the other split's own bound, whose
+    whole list it then drops."""
+    outs, lengths = [], []
+    for prune in (False, True):
+        c = AttentionConfig(finish_max_splits=128, solve_in_regs=mode != "memory", solve_tile=64,
+                            finish_prune=prune)
+        cache, ids, q, _ = case([300, 40], 2, 1, 16, 4, torch.float32, seed=23, key_scale=0.01)
+        pages = cache.block_table[ids[0]].long()[:100 // 4]
+        cache.k_pages[pages] += (q[0] / q[0].norm(dim=-1, keepdim=True))[None, :, None]  # [pages, H, P, D]
+        cfg = _plan(c, 2, 2, 1, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
+        assert cfg["NSPLIT"] >= 2
+        del launches[:]
+        out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.5, config=_cfg(c))
+        (kw,) = [k for n, _, k, _ in launches if n == "_attn_finish_kernel"]
+        assert kw["PRUNE"] == prune
+        (args,) = [a for n, a, _, _ in launches if n == "_attn_finish_kernel"]
+        lengths.append(args[2].clone())  # cn [rows, NSPLIT]
+        full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.5)
+        ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.5)
+        assert rel_err(out, ref) < TOL[torch.float32]
+        assert (tau.double() - rtau).abs().max() < 1e-5
+        outs.append(out)
+    x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, full, scale=0.5)[0]
+    support = (x > rtau[..., None]).sum(-1).flatten()  # per (row, head)
+    before, after = lengths[0].sum(-1), lengths[1].sum(-1)
+    assert (after <= before).all() and (after >= support).all()
+    assert (after[:2] < before[:2] // 2).all()  # the long row's heads lost most of their candidates
+    assert rel_err(outs[1], outs[0]) < 1e-6
+
+
 @pytest.mark.parametrize("G,want", [(1, "three"), (2, "one")], ids=["one-head", "tl.dot"])
 def test_finish_launch_rule(G, want, launches):
     """Which finish runs: lists that may outgrow the register tile over more

@@ -102,23 +102,52 @@ def _support_slot(base, w, CAP, cw, NSPLIT: tl.constexpr):
 
 
 @triton.jit
-def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, m, thr, am1, beta, am1_lo, CAP,
-                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BETA_KIND: tl.constexpr, FORM: tl.constexpr):
-    """Stores (p, token id) (p: shifted_prob) of the candidates b_x with p > 0 as support
-    tokens w0, w0 + 1, ... (_support_slot with chunks of BLOCK_M columns; 0:
-    the flat order) and returns how many. All of this program's threads must
+def _store_kept(cx_ptr, ci_ptr, base, w0, vals, b_tok, keep, CAP, NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Stores (vals, token id) of the entries with keep as entries w0, w0 + 1,
+    ... of the row (_support_slot with chunks of BLOCK_M columns; 0: the
+    flat order) and returns how many. All of this program's threads must
     have read those slots already."""
-    b_p = shifted_prob(b_x, m, thr, am1, beta, am1_lo, BETA_KIND, FORM)
-    keep = b_p > 0
     o_w = w0 + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     if BLOCK_M == 0:
         o_c = base + o_w
     else:
         o_c = _support_slot(base, o_w, CAP, BLOCK_M, NSPLIT)
-    tl.debug_barrier()  # every thread's candidates are read before any slot is overwritten
-    tl.store(cx_ptr + o_c, b_p, mask=keep)
+    tl.debug_barrier()  # every thread's entries are read before any slot is overwritten
+    tl.store(cx_ptr + o_c, vals, mask=keep)
     tl.store(ci_ptr + o_c, b_tok, mask=keep)
     return tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _compact_support(cx_ptr, ci_ptr, base, w0, b_x, b_tok, m, thr, am1, beta, am1_lo, CAP,
+                     NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BETA_KIND: tl.constexpr, FORM: tl.constexpr):
+    """Stores (p, token id) (p: shifted_prob) of the candidates b_x with p > 0 as support
+    tokens w0, w0 + 1, ... (_store_kept) and returns how many."""
+    b_p = shifted_prob(b_x, m, thr, am1, beta, am1_lo, BETA_KIND, FORM)
+    return _store_kept(cx_ptr, ci_ptr, base, w0, b_p, b_tok, b_p > 0, CAP, NSPLIT, BLOCK_M)
+
+
+@triton.jit
+def _prune_lists(cx_ptr, ci_ptr, cn_row, base, o_s, n_s, max_n, lb, beta, CAP,
+                 NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Drops the row's candidates at or below lb (the splits' best lower
+    bound on tau) less twice the solve's rounding margin: the solve starts
+    at or above that margin below lb and only moves up, so they have p = 0
+    at every threshold it visits. NaN scores stay. The survivors go, in
+    chunk order (_store_kept), to the front of the lists, which become
+    prefixes again: with K kept and W = NSPLIT * BLOCK_M, list s holds
+    (K // W) * BLOCK_M + clamp(K % W - s * BLOCK_M, 0, BLOCK_M). Stores
+    those lengths at cn_row[s]; returns (n_s, their max, K)."""
+    cut = lb - 2.0 * (tl.abs(lb) + beta) * 4.76837158203125e-07
+    kept = tl.zeros([], tl.int32)
+    for c0 in range(0, max_n, BLOCK_M):
+        b_x, b_tok = _list_columns(cx_ptr, ci_ptr, base, o_s, n_s, c0, CAP, NS_P2, BLOCK_M)
+        kept += _store_kept(cx_ptr, ci_ptr, base, kept, b_x, b_tok, ~(b_x <= cut), CAP, NSPLIT, BLOCK_M)
+    W = NSPLIT * BLOCK_M
+    n_new = (kept // W) * BLOCK_M + tl.minimum(tl.maximum(kept % W - o_s * BLOCK_M, 0), BLOCK_M)
+    n_new = tl.where(o_s < NSPLIT, n_new, 0)
+    tl.store(cn_row + o_s, n_new, mask=o_s < NSPLIT)
+    return n_new, tl.max(n_new, axis=0), kept
 
 
 @triton.jit
@@ -131,7 +160,8 @@ def _attn_finish_kernel(
     P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, MODE: tl.constexpr,
-    FUSED: tl.constexpr, FORM: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
+    FUSED: tl.constexpr, FORM: tl.constexpr, PRUNE: tl.constexpr,
+    POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
 ):
     """The work of _attn_solve_kernel, _attn_vacc_kernel and _attn_combine_kernel for one
     query head in one program.
@@ -144,7 +174,10 @@ def _attn_finish_kernel(
     V rows are gathered in blocks of BLOCK_C support tokens, not over every
     candidate; their sum is the output (entmax needs no rescaling across
     splits). POLL: wait for done[row] to reach NSPLIT (the split programs
-    counted in, poll_ready) rather than for the whole split pass."""
+    counted in, poll_ready) rather than for the whole split pass. PRUNE:
+    lists longer than the register tile first lose the candidates below the
+    row's lower bound on tau (_prune_lists; their new lengths go to cn), so
+    the solve reads the rest only, from registers when they fit."""
     i_r = tl.program_id(0).to(tl.int64)  # b * HQ + query head
     if POLL:
         poll_start(done_ptr + i_r, NSPLIT, POLLS, PDL)
@@ -154,6 +187,10 @@ def _attn_finish_kernel(
     lb, m, n_s, max_n, total, t_init = _row_lists(cn_ptr, clb_ptr, cm_ptr, tinit_ptr, i_r, o_s,
                                                   NSPLIT, HAS_INIT)
     base = i_r * NSPLIT * CAP
+    if PRUNE:
+        if max_n > BLOCK_K:
+            n_s, max_n, total = _prune_lists(cx_ptr, ci_ptr, cn_ptr + i_r * NSPLIT, base, o_s, n_s, max_n, lb,
+                                             beta, CAP, NSPLIT, NS_P2, BLOCK_M)
     if MODE == 0:
         in_regs = True
     elif MODE == 1:

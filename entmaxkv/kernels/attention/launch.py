@@ -159,7 +159,8 @@ def _run(
                 P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(c.finish_block, 8192 // block_d)),
                 BETA_KIND=bk, HAS_INIT=has_init,
                 HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max,
-                MODE=(0 if fits else 1) if c.solve_in_regs else 2, FUSED=fused, FORM=form, POLL=poll == 2,
+                MODE=(0 if fits else 1) if c.solve_in_regs else 2, FUSED=fused, FORM=form,
+                PRUNE=c.finish_prune and not fits, POLL=poll == 2,
                 POLLS=c.poll_polls,
                 num_warps=c.finish_warps[0 if fits else 1], **opts,
             )
