@@ -48,7 +48,7 @@ from entmaxkv.model.lm import ModelConfig, TransformerLM, prefill_attention
 from entmaxkv.model.step import ModelStep
 from entmaxkv.policies import Certified, Full, Gaussian, TopK
 
-from .harness import run_meta, sketched
+from .harness import kernel_config, run_meta, sketched
 
 SUITES = {
     # suite: (methods, [(batch, lengths)])
@@ -302,7 +302,8 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
                     with_sketch = sketched(cache, SKETCH_DIMS)
                     row["sketch_fit_s"] = time.perf_counter() - t0
                 run = ModelStep(model, with_sketch if name == "certified_sketch" else cache, policy,
-                                cuda_graph=not args.no_cuda_graph, fused=False if args.no_fused else None)
+                                cuda_graph=not args.no_cuda_graph, fused=False if args.no_fused else None,
+                                kernel_config=kernel_config(args.config))
                 for _ in range(args.warmup):
                     tok = run.step(tok, seqs).argmax(-1)
                 ts, out = [], {}
@@ -410,6 +411,8 @@ def main(argv=None):
                     help="weights and cache (default: float16 for the twin, bfloat16 for llama8b, float32 for tiny)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also record each method's costliest kernels over STEPS profiled steps (CUDA)")
+    ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
+                    help="a KernelConfig field of the attention kernels, e.g. attention.finish_prune=True (repeatable)")
     ap.add_argument("--checkpoint", default="checkpoints/entmax", help="the twin checkpoint")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="folder for bench_generate.json and .png")
@@ -438,7 +441,7 @@ def main(argv=None):
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    meta = run_meta("benchmarks.bench_generate", argv, device, bandwidth=args.bandwidth,
+    meta = run_meta("benchmarks.bench_generate", argv, device, bandwidth=args.bandwidth, kernel_config=args.config,
                     seconds=round(time.time() - t0, 1))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -81,6 +81,8 @@ class ModelStep:
             False: the model's PyTorch code, as the reference backend and
             the CPU always run it (bit for bit ``decode_step``'s numbers).
             Fused results equal those to float32 rounding.
+        kernel_config: the attention kernels' launch choices
+            (``entmaxkv.kernels.KernelConfig``; None: the measured defaults).
 
     ``step(tokens, seqs)``: tokens long [B] (one per sequence, on any
     device), seqs the B sequence ids (a list of ints, the same every step
@@ -90,7 +92,7 @@ class ModelStep:
     """
 
     def __init__(self, model: TransformerLM, cache: PagedKVCache, policy=None, *, cuda_graph: bool = True,
-                 backend: str = "auto", fused: Optional[bool] = None) -> None:
+                 backend: str = "auto", fused: Optional[bool] = None, kernel_config=None) -> None:
         if not isinstance(model, TransformerLM):
             raise ValueError(f"model: expected a TransformerLM, got {describe(model)}")
         cfg = model.cfg
@@ -110,7 +112,8 @@ class ModelStep:
         slopes = model.slopes if bool((model.slopes != 0).any()) else None
         self.decoder = Decoder(self.policy, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                                page_size=cache.page_size, alpha=cfg.attn_alpha, scale=model.scale,
-                               alibi_slopes=slopes, device=device, backend=backend, cuda_graphs=False)
+                               alibi_slopes=slopes, device=device, backend=backend, cuda_graphs=False,
+                               kernel_config=kernel_config)
         self.backend = backend
         self.cuda_graph = (as_bool(cuda_graph, "cuda_graph") and device.type == "cuda"
                            and self.decoder._ops.name == "triton")

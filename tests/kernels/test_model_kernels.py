@@ -17,6 +17,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from entmaxkv import PagedKVCache  # noqa: E402
+from entmaxkv.kernels import AttentionConfig, KernelConfig  # noqa: E402
 from entmaxkv.kernels.model import add_rms_norm, rms_norm, rope_qk, silu_mul  # noqa: E402
 from entmaxkv.model.lm import ModelConfig, RMSNorm, TransformerLM, rope_inv_freq, rope_rotate  # noqa: E402
 from entmaxkv.model.step import ModelStep  # noqa: E402
@@ -224,14 +225,14 @@ def tiny(positions):
     return m
 
 
-def stepped(m, fused, backend, steps=3):
+def stepped(m, fused, backend, steps=3, kernel_config=None):
     """Logits of ``steps`` decode steps of 2 rows (prompts of 13 tokens)."""
     cfg = m.cfg
     cache = PagedKVCache(40, 4, cfg.n_kv_heads, cfg.head_dim, max_seqs=2, max_pages_per_seq=20,
                          dtype=torch.float32, num_layers=cfg.n_layers)
     seqs = [cache.allocate(), cache.allocate()]
     m.prefill_paged(torch.randint(0, 96, (2, 13), generator=gen(2)), cache, seqs)
-    run = ModelStep(m, cache, Full(), backend=backend, fused=fused)
+    run = ModelStep(m, cache, Full(), backend=backend, fused=fused, kernel_config=kernel_config)
     assert run.fused == fused
     toks = torch.randint(0, 96, (steps, 2), generator=gen(3))
     with torch.no_grad():
@@ -254,6 +255,24 @@ def test_fused_step_equals_the_unfused_step(positions, launches):
     per_layer = ["_model_rope_qk_kernel"] * (positions == "rope") + ["_model_add_rms_norm_kernel"] + per_layer
     step = ["_model_add_rms_norm_kernel"] + per_layer * m.cfg.n_layers
     assert [n for n in launches.names() if n.startswith("_model_")] == step * 3
+
+
+def test_step_kernel_config_reaches_the_attention(launches):
+    """ModelStep(kernel_config=...) runs the attention's launch variant
+    (here the three-launch finish instead of _attn_finish_kernel), with the
+    same logits; anything but a KernelConfig is refused by name."""
+    m = tiny("nape")
+    want = stepped(m, False, "triton")
+    assert "_attn_finish_kernel" in launches.names() and "_attn_vacc_kernel" not in launches.names()
+    del launches[:]
+    got = stepped(m, False, "triton", kernel_config=KernelConfig(attention=AttentionConfig(finish=False)))
+    assert "_attn_vacc_kernel" in launches.names() and "_attn_finish_kernel" not in launches.names()
+    assert rel_err(got, want) < 1e-5
+    cfg = m.cfg
+    cache = PagedKVCache(8, 4, cfg.n_kv_heads, cfg.head_dim, max_seqs=1, max_pages_per_seq=8,
+                         dtype=torch.float32, num_layers=cfg.n_layers)
+    with pytest.raises(ValueError, match="kernel_config"):
+        ModelStep(m, cache, kernel_config="attention.finish=False")
 
 
 def test_fused_path_choice():
