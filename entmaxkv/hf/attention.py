@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from ..backend import resolve_backend
 from ..prefill import paged_prefill
 
 __all__ = ["EntmaxKVMask", "entmaxkv_attention", "entmaxkv_mask"]
@@ -98,9 +99,9 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 
 def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: int) -> torch.Tensor:
     """Causal attention of each row's new real tokens over its cached tokens
-    (the new ones last, already written), per row. With the Triton backend
-    (``"triton"``, or ``"auto"`` on CUDA) and a head dim the fused kernel
-    takes (a multiple of 8 in [16, 256]): torch SDPA's causal kernel for
+    (the new ones last, already written), per row. Where the cache's backend
+    resolves to Triton (``backend.resolve_backend``) and the fused kernel
+    takes the head dim (``head_dim_supported``): torch SDPA's causal kernel for
     softmax without ALiBi over a whole prompt, else EntmaxKV's fused
     prefill kernel (no T x T scores either way); otherwise
     ``prefill.paged_prefill`` in query chunks of ``budget`` scores. A
@@ -108,8 +109,11 @@ def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: 
     B, HQ, T, D = query.shape
     out = torch.zeros(B, T, HQ, D, dtype=query.dtype, device=query.device)
     lay = paged.layer(layer)
-    triton = cache.backend == "triton" or (cache.backend == "auto" and query.is_cuda)
-    fused = triton and D % 8 == 0 and 16 <= D <= 256
+    fused = False
+    if resolve_backend(cache.backend, query.device).name == "triton":
+        from ..kernels.prefill.launch import head_dim_supported
+
+        fused = head_dim_supported(D)
     for b, slot in enumerate(cache.slots):
         idx = real[b].nonzero().flatten()
         if idx.numel() == 0:
