@@ -206,11 +206,21 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _out_rows(t: Optional[torch.Tensor], ref: torch.Tensor, name: str) -> torch.Tensor:
+def _vector(t, name: str, n: int, dtypes, device, what: str) -> None:
+    """t: a contiguous 1-d tensor of n elements, one of ``dtypes`` (``what``
+    names them), on ``device``."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != (n,) or t.device != device:
+        raise ValueError(f"{name}: expected a {what} tensor of shape ({n},) on {device}, got {describe(t)}"
+                         + (f" on {t.device}" if isinstance(t, torch.Tensor) else ""))
+    if t.stride(0) != 1 and n > 1:
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _out_rows(t: Optional[torch.Tensor], ref: torch.Tensor, name: str, ref_name: str = "x") -> torch.Tensor:
     """A given output as [rows, N] (it must be contiguous: written through that view), else a new one."""
     if t is None:
         return torch.empty(ref.shape, dtype=ref.dtype, device=ref.device).view(-1, ref.shape[-1])
-    _check_like(t, ref, name, "x")
+    _check_like(t, ref, name, ref_name)
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
     return t.view(-1, ref.shape[-1])
@@ -259,12 +269,7 @@ def add_rms_norm(
     N = x.shape[-1]
     if delta is not None:
         _check_like(delta, x, "delta", "x")
-    if not isinstance(weight, torch.Tensor) or weight.dtype not in _floats or tuple(weight.shape) != (N,) \
-            or weight.device != x.device:
-        raise ValueError(f"weight: expected a float tensor of shape ({N},) on {x.device}, got {describe(weight)}"
-                         + (f" on {weight.device}" if isinstance(weight, torch.Tensor) else ""))
-    if weight.stride(0) != 1 and N > 1:
-        raise ValueError(f"weight: expected a contiguous tensor, got strides {weight.stride()}")
+    _vector(weight, "weight", N, _floats, x.device, "float")
     eps = as_float(eps, "eps", lo=0.0)
     keep_residual = as_bool(keep_residual, "keep_residual")
     if residual_out is not None and not keep_residual:
@@ -272,14 +277,9 @@ def add_rms_norm(
     x2 = _rows(x, "x")
     d2 = _rows(delta, "delta") if delta is not None else x2
     y2 = _out_rows(out, x, "out")
-    store_r = delta is not None and keep_residual
-    if store_r:
-        r2 = _out_rows(residual_out, x, "residual_out")
-    elif residual_out is not None:  # no delta: r is x, copied where asked for
-        r2 = _out_rows(residual_out, x, "residual_out")
-        store_r = True
-    else:
-        r2 = y2  # (never written)
+    # without delta r is x, stored only where residual_out asks for a copy
+    store_r = (delta is not None and keep_residual) or residual_out is not None
+    r2 = _out_rows(residual_out, x, "residual_out") if store_r else y2  # (y2: never written)
     rows = x2.shape[0]
     if rows and N:
         block = min(next_pow2(N), _norm_block_max)
@@ -344,13 +344,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                          f"{q.device}, got {describe(positions)}"
                          + (f" on {positions.device}" if isinstance(positions, torch.Tensor) else ""))
     half = D // 2
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float32 \
-            or tuple(inv_freq.shape) != (half,) or inv_freq.device != q.device:
-        raise ValueError(f"inv_freq: expected a float32 tensor of shape ({half},) on {q.device}, got "
-                         f"{describe(inv_freq)}"
-                         + (f" on {inv_freq.device}" if isinstance(inv_freq, torch.Tensor) else ""))
-    if inv_freq.stride(0) != 1 and half > 1:
-        raise ValueError(f"inv_freq: expected a contiguous tensor, got strides {inv_freq.stride()}")
+    _vector(inv_freq, "inv_freq", half, (torch.float32,), q.device, "float32")
     KV = k.shape[2]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -391,13 +385,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor
     _check_float(gate, "gate")
     _check_like(up, gate, "up", "gate")
     g2, u2 = _rows(gate, "gate"), _rows(up, "up")
-    if out is None:
-        o2 = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device).view(-1, gate.shape[-1])
-    else:
-        _check_like(out, gate, "out", "gate")
-        if not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
-        o2 = out.view(-1, gate.shape[-1])
+    o2 = _out_rows(out, gate, "out", "gate")
     rows, N = g2.shape
     if rows and N:
         block = min(next_pow2(N), _silu_block_max)
