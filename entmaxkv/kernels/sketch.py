@@ -184,7 +184,6 @@ def _sketch_terms_kernel(q_ptr, mean_ptr, basis_ptr, step_ptr, out_ptr, HQ, G, s
     tl.store(p_out + MD + 3, _up_f32(tl.sqrt(tl.sum(b_q * b_q, axis=1)) * grow), mask=m_g)
 
 
-
 @triton.jit
 def _sketch_write_kernel(
     slot_ptr, kp_ptr, mean_ptr, basis_ptr, step_ptr, defect_ptr, codes_ptr, radii_ptr,

@@ -29,8 +29,9 @@ cost is its launches (a fixed cost each, replayed or not). With ``fused`` (the
 default on the Triton backend on CUDA) they are ``entmaxkv.kernels.model``'s
 kernels: one RMSNorm launch fused with the residual add before it, one
 rotary launch for q and k, one SwiGLU product, the logits written in place:
-a bfloat16 layer's elementwise launches go from 22 (NAPE) / 56 (RoPE) to
-3 / 4 (docs/prefill.md). Otherwise the step runs the model's PyTorch code.
+3 (NAPE) / 4 (RoPE) elementwise launches per bfloat16 layer, where the
+PyTorch code makes 22 / 56 (docs/prefill.md). Otherwise the step runs the
+model's PyTorch code.
 """
 from __future__ import annotations
 
@@ -224,12 +225,11 @@ class ModelStep:
             if self._inv_freq is not None:
                 q, k = rope_qk(q, k, c.positions[:, None], self._inv_freq)  # new contiguous tensors
             self.cache.write(k[:, 0], v[:, 0], c.slots, layer=i, backend=self.backend)
-            res = self.decoder.run(q[:, 0].contiguous(), self.layers[i], dense=dense,
-                                   return_stats=stats is not None)  # [B, H, D] (q[:, 0] is contiguous)
+            o = self.decoder.run(q[:, 0].contiguous(), self.layers[i], dense=dense,
+                                 return_stats=stats is not None)  # [B, H, D] (q[:, 0] is contiguous)
             if stats is not None:
-                res, st = res
+                o, st = o
                 stats.append(st)
-            o = res
             h, x = add_rms_norm(x, at.wo(o.reshape(B, 1, -1).to(x.dtype)), blk.mlp_norm.weight, blk.mlp_norm.eps)
             mlp = blk.mlp
             d = mlp.w_down(silu_mul(mlp.w_gate(h), mlp.w_up(h)))
