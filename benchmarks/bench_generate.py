@@ -35,6 +35,7 @@ CPU dry run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -106,13 +107,25 @@ def prompt_tokens(suite: str, B: int, n: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (B, n), generator=torch.Generator().manual_seed(n))
 
 
-def set_alpha(model: TransformerLM, alpha):
-    """Run the model's attention at ``alpha`` (1: softmax; None: as it is);
-    returns the old (attention, alpha) to put back."""
+@contextlib.contextmanager
+def alpha_as(model: TransformerLM, alpha):
+    """The model's attention at ``alpha`` inside the block (1: softmax; None:
+    as it is), its own (attention, alpha) put back after."""
     old = (model.cfg.attention, model.cfg.alpha)
     if alpha is not None:
         model.cfg.attention, model.cfg.alpha = ("softmax", old[1]) if alpha == 1.0 else ("entmax", alpha)
-    return old
+    try:
+        yield
+    finally:
+        model.cfg.attention, model.cfg.alpha = old
+
+
+def paged_cache(model: TransformerLM, B: int, tokens: int, page_size: int) -> PagedKVCache:
+    """A paged cache of every layer with room for B rows of ``tokens`` tokens, in the model's dtype and device."""
+    cfg, p = model.cfg, next(model.parameters())
+    per = -(-tokens // page_size)
+    return PagedKVCache(B * per, page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=B, max_pages_per_seq=per,
+                        dtype=p.dtype, device=p.device, num_layers=cfg.n_layers)
 
 
 # ----------------------------------------------------------------- timing
@@ -255,17 +268,14 @@ class StaticSDPA:
         return out
 
 
-def warm_prefill(model, prompt, cfg, args, device) -> None:
+def warm_prefill(model, prompt, args) -> None:
     """Prefill a short prompt in two chunks first, so the timed prefill does
     not include compiling its kernels (a whole-prompt chunk and one over
     cached context)."""
     chunk = min(args.prefill_chunk, 1024, max(1, prompt.shape[1] // 2))
     n = min(prompt.shape[1], 2 * chunk)
-    per = -(-n // args.page_size)
-    B = prompt.shape[0]
-    warm = PagedKVCache(B * per, args.page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=B, max_pages_per_seq=per,
-                        dtype=next(model.parameters()).dtype, device=device, num_layers=cfg.n_layers)
-    model.prefill_paged(prompt[:, :n], warm, [warm.allocate() for _ in range(B)], chunk_tokens=chunk)
+    warm = paged_cache(model, prompt.shape[0], n, args.page_size)
+    model.prefill_paged(prompt[:, :n], warm, [warm.allocate() for _ in range(prompt.shape[0])], chunk_tokens=chunk)
 
 
 # ----------------------------------------------------------------- one case
@@ -277,54 +287,46 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
     paged_methods = [m for m in methods if m != "sdpa_static"]
     if paged_methods:
         total = n + len(paged_methods) * (args.warmup + args.steps + args.profile + 2)
-        per_seq = -(-total // args.page_size)
-        cache = PagedKVCache(B * per_seq, args.page_size, cfg.n_kv_heads, cfg.head_dim, max_seqs=B,
-                             max_pages_per_seq=per_seq, dtype=next(model.parameters()).dtype, device=device,
-                             num_layers=cfg.n_layers)
+        cache = paged_cache(model, B, total, args.page_size)
         seqs = [cache.allocate() for _ in range(B)]
-        old = set_alpha(model, args.prefill_alpha)
-        try:
-            warm_prefill(model, prompt, cfg, args, device)
+        with alpha_as(model, args.prefill_alpha):
+            warm_prefill(model, prompt, args)
             prefill_s, logits = clock.wall(lambda: model.prefill_paged(prompt, cache, seqs,
                                                                        chunk_tokens=args.prefill_chunk))
-        finally:
-            model.cfg.attention, model.cfg.alpha = old
         tok = logits.argmax(-1)
         for name in paged_methods:
             alpha, policy = METHODS[name]
-            old = set_alpha(model, alpha)
             row = {"model": suite, "batch": B, "n": n, "method": name, "dtype": str(cache.dtype).split(".")[-1],
                    "prefill_s": prefill_s,
                    "prefill_alpha": args.prefill_alpha if args.prefill_alpha is not None else cfg.attn_alpha}
             try:
-                if name == "certified_sketch":
-                    t0 = time.perf_counter()
-                    with_sketch = sketched(cache, SKETCH_DIMS)
-                    row["sketch_fit_s"] = time.perf_counter() - t0
-                run = ModelStep(model, with_sketch if name == "certified_sketch" else cache, policy,
-                                cuda_graph=not args.no_cuda_graph, fused=False if args.no_fused else None,
-                                kernel_config=kernel_config(args.config))
-                for _ in range(args.warmup):
-                    tok = run.step(tok, seqs).argmax(-1)
-                ts, out = [], {}
-                for _ in range(args.steps):
-                    def call(run=run, tok=tok, out=out):
-                        out["logits"] = run.step(tok, seqs)
+                with alpha_as(model, alpha):
+                    if name == "certified_sketch":
+                        t0 = time.perf_counter()
+                        with_sketch = sketched(cache, SKETCH_DIMS)
+                        row["sketch_fit_s"] = time.perf_counter() - t0
+                    run = ModelStep(model, with_sketch if name == "certified_sketch" else cache, policy,
+                                    cuda_graph=not args.no_cuda_graph, fused=False if args.no_fused else None,
+                                    kernel_config=args.kernel_config)
+                    for _ in range(args.warmup):
+                        tok = run.step(tok, seqs).argmax(-1)
+                    ts, out = [], {}
+                    for _ in range(args.steps):
+                        def call(run=run, tok=tok, out=out):
+                            out["logits"] = run.step(tok, seqs)
 
-                    ts.append(clock.time(call))
-                    tok = out["logits"].argmax(-1)
-                if args.profile and device.type == "cuda":
-                    row["kernels_us"] = kernel_profile(lambda run=run, tok=tok: run.step(tok, seqs), args.profile)
-                _, stats = run.step(tok, seqs, return_stats=True)
-                ms = statistics.median(ts)
-                floor_ms = floor_bytes_paged(model, stats, cache, name) / bandwidth * 1e3
-                row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms,
-                           graphs=len(run.graphs()), coverage=float(torch.stack([s.coverage.float().mean()
-                                                                                 for s in stats]).mean()))
+                        ts.append(clock.time(call))
+                        tok = out["logits"].argmax(-1)
+                    if args.profile and device.type == "cuda":
+                        row["kernels_us"] = kernel_profile(lambda run=run, tok=tok: run.step(tok, seqs), args.profile)
+                    _, stats = run.step(tok, seqs, return_stats=True)
+                    ms = statistics.median(ts)
+                    floor_ms = floor_bytes_paged(model, stats, cache, name) / bandwidth * 1e3
+                    cov = float(torch.stack([s.coverage.float().mean() for s in stats]).mean())
+                    row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms,
+                               ratio_to_floor=ms / floor_ms, graphs=len(run.graphs()), coverage=cov)
             except Exception as exc:  # noqa: BLE001 - recorded; the other methods still run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            finally:
-                model.cfg.attention, model.cfg.alpha = old
             rows.append(row)
             print(json.dumps(row), flush=True)
         del cache
@@ -332,22 +334,20 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
             torch.cuda.empty_cache()
     if "sdpa_static" in methods:
         row = {"model": suite, "batch": B, "n": n, "method": "sdpa_static"}
-        old = set_alpha(model, 1.0)
         try:
-            base = StaticSDPA(model, B, n + args.warmup + args.steps + 2)
-            row["prefill_s"], _ = clock.wall(lambda: base.prefill(prompt))
-            tok = prompt[:, -1]
-            for _ in range(args.warmup):
-                tok = base.step(tok).argmax(-1)
-            ts = [clock.time(base.step_fn(tok)) for _ in range(args.steps)]
-            ms = statistics.median(ts)
-            floor_ms = (param_bytes(model) + base.k.numel() * base.k.element_size() * 2) / bandwidth * 1e3
-            row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms)
-            del base
+            with alpha_as(model, 1.0):
+                base = StaticSDPA(model, B, n + args.warmup + args.steps + 2)
+                row["prefill_s"], _ = clock.wall(lambda: base.prefill(prompt))
+                tok = prompt[:, -1]
+                for _ in range(args.warmup):
+                    tok = base.step(tok).argmax(-1)
+                ts = [clock.time(base.step_fn(tok)) for _ in range(args.steps)]
+                ms = statistics.median(ts)
+                floor_ms = (param_bytes(model) + base.k.numel() * base.k.element_size() * 2) / bandwidth * 1e3
+                row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms)
+                del base
         except Exception as exc:  # noqa: BLE001 - recorded (e.g. out of memory at the longest prompts)
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        finally:
-            model.cfg.attention, model.cfg.alpha = old
         rows.append(row)
         print(json.dumps(row), flush=True)
         if device.type == "cuda":
@@ -419,6 +419,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.profile < 0:
         ap.error("--steps and --warmup must be >= 1 and --profile >= 0")
+    args.kernel_config = kernel_config(args.config)  # parsed (and checked) once
     device = torch.device(args.device)
     clock = Clock(device)
     rows, t0 = [], time.time()
