@@ -78,18 +78,19 @@ def timed(fn, device) -> float:
 BASELINE = {"llama8b": "sdpa", "tiny": "sdpa", "twin": "eager"}  # HF's own attention per model
 
 
-def measure(model, ids, label: str, args, device) -> dict:
-    """Prefill seconds and decode tokens/s of one method on one prompt ``ids`` [1, n] int64."""
+def generator(model, ids, label: str, *, budget: int, page_size: int, new: int):
+    """``make(k)``: a greedy generate of k tokens after the prompt ``ids``
+    [1, n] int64 with method ``label`` (an HF attention, "_compiled" for
+    HF's compiled static-cache path, or "entmaxkv"). For "entmaxkv" one
+    ``EntmaxKVCache(TopK(budget))`` serves every call, reset before each
+    (HF keeps its static cache between generate calls too), so its
+    per-layer CUDA graphs are captured once and replayed after."""
     import entmaxkv.hf as H
     from entmaxkv import TopK
 
-    n = ids.shape[1]
     mask = torch.ones_like(ids)
-    # one cache for every run, reset before each (HF keeps its static cache
-    # between generate calls too): the per-layer CUDA graphs are captured
-    # in the warm-up and replayed in the timed runs
-    cache = None if label != "entmaxkv" else H.EntmaxKVCache(model, policy=TopK(args.budget),
-                                                              page_size=args.page_size, max_len=n + args.new)
+    cache = None if label != "entmaxkv" else H.EntmaxKVCache(model, policy=TopK(budget), page_size=page_size,
+                                                              max_len=ids.shape[1] + new)
 
     def make(k: int):
         if label != "entmaxkv":
@@ -103,6 +104,12 @@ def measure(model, ids, label: str, args, device) -> dict:
         return model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
                               pad_token_id=0, **kw)
 
+    return make
+
+
+def measure(model, ids, label: str, args, device) -> dict:
+    """Prefill seconds and decode tokens/s of one method on one prompt ``ids`` [1, n] int64."""
+    make = generator(model, ids, label, budget=args.budget, page_size=args.page_size, new=args.new)
     with torch.no_grad():
         make(args.new)  # warm-up: compiles kernels, sizes HF's static cache, captures our graphs
         t1 = statistics.median(timed(lambda: make(1), device) for _ in range(args.reps))

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .bench_hf import BASELINE, build
+from .bench_hf import BASELINE, build, generator
 
 
 def sync_count(call, device) -> int:
@@ -38,9 +38,6 @@ def sync_count(call, device) -> int:
 
 
 def main(argv=None):
-    import entmaxkv.hf as H
-    from entmaxkv import TopK
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama8b", choices=["llama8b", "twin", "tiny"])
     ap.add_argument("--length", type=int, default=32768, help="prompt tokens (>= 1)")
@@ -58,21 +55,9 @@ def main(argv=None):
     model = build(args.model, device, args.checkpoint)
     ids = torch.randint(1, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    mask = torch.ones_like(ids)
-
-    # one cache, reset per generate (as bench_hf): its graphs are captured in the warm-up
-    cache = H.EntmaxKVCache(model, policy=TopK(args.budget), max_len=args.length + args.new)
-
-    def generate(k: int):
-        if args.method == "entmaxkv":
-            model.set_attn_implementation("entmaxkv")
-            cache.reset()
-            kw = {"past_key_values": cache}
-        else:
-            model.set_attn_implementation(BASELINE[args.model])
-            kw = {"cache_implementation": "static", "disable_compile": True}
-        return model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                              pad_token_id=0, **kw)
+    # one cache, reset per generate (bench_hf.generator): its graphs are captured in the warm-up
+    generate = generator(model, ids, "entmaxkv" if args.method == "entmaxkv" else BASELINE[args.model],
+                         budget=args.budget, page_size=16, new=args.new)
 
     with torch.no_grad():
         generate(args.new)  # warm-up (compiles kernels, captures graphs)
