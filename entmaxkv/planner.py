@@ -280,6 +280,13 @@ class Decoder:
         return self._run_direct(q, layer, ids, out, return_stats, dense, lkey, keep_cov=not capturing)
 
     @property
+    def plan_key(self) -> Optional[tuple]:
+        """What a step captured in a CUDA graph reads of the last plan (the
+        addresses and shapes of its block table, lengths and row ids): a
+        graph captured under another key must not be replayed."""
+        return self._plan_key
+
+    @property
     def workspace_grew(self) -> bool:
         """Whether the last run outgrew the scratch arena (it was replaced:
         a graph captured before then reads freed memory and must be dropped)."""

@@ -42,6 +42,7 @@ import torch
 from .._checks import as_bool, as_choice, describe
 from ..backend import BACKENDS
 from ..cache import PagedKVCache
+from ..graphs import StepGraphs
 from ..planner import Decoder
 from ..policies import Full, check_policy
 from .lm import TransformerLM, rope_inv_freq
@@ -50,15 +51,13 @@ __all__ = ["ModelStep"]
 
 
 class _Captured:
-    """One batch size's static buffers and, once captured, its graph."""
+    """One batch size's static buffers."""
 
     def __init__(self, B: int, vocab: int, device, dtype) -> None:
         self.tokens = torch.zeros(B, dtype=torch.long, device=device)
         self.positions = torch.zeros(B, dtype=torch.long, device=device)
         self.slots = torch.zeros(B, dtype=torch.long, device=device)
         self.logits = torch.zeros(B, vocab, dtype=dtype, device=device)
-        self.graphs: Dict[bool, torch.cuda.CUDAGraph] = {}
-        self.warm: Dict[bool, int] = {}
 
 
 class ModelStep:
@@ -131,7 +130,7 @@ class ModelStep:
                           if self.fused and cfg.positions == "rope" else None)
         self.layers = [cache.layer(i) for i in range(cfg.n_layers)]
         self._captured: Dict[int, _Captured] = {}
-        self._pool = None
+        self._graphs = StepGraphs(self.decoder)  # by (batch size, dense)
         self.last_dense = False  # whether the last step ran the dense pass (the certified cost check)
 
     # ------------------------------------------------------------ the step
@@ -163,16 +162,7 @@ class ModelStep:
         if not self.cuda_graph:
             self._body(c, dense)
             return c.logits
-        graph = c.graphs.get(dense)
-        if graph is None and c.warm.get(dense, 0) >= 1:
-            graph = self._capture(c, dense)
-        if graph is None:
-            self._body(c, dense)  # warm-up: compiles every kernel, sizes the decoder's workspace
-            c.warm[dense] = c.warm.get(dense, 0) + 1
-            if self.decoder.workspace_grew:
-                self._drop_graphs()
-        else:
-            graph.replay()
+        if self._graphs.run((B, dense), lambda: self._body(c, dense)):
             self.decoder.replayed(self.layers, dense)
         return c.logits
 
@@ -238,23 +228,6 @@ class ModelStep:
             h, x = add_rms_norm(x, d, norm.weight, norm.eps, keep_residual=not last)
         torch.mm(h[:, 0], m.embed.weight.t(), out=c.logits)  # the tied output head, no copy
 
-    def _capture(self, c: _Captured, dense: bool) -> Optional[torch.cuda.CUDAGraph]:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._body(c, dense)
-        if self.decoder.workspace_grew:  # the capture read a buffer that was replaced
-            self._drop_graphs()
-            return None
-        c.graphs[dense] = graph
-        return graph
-
-    def _drop_graphs(self) -> None:
-        for c in self._captured.values():
-            c.graphs.clear()
-            c.warm.clear()
-
     def graphs(self) -> List[Tuple[int, bool]]:
         """The captured (batch size, dense) steps."""
-        return sorted((B, d) for B, c in self._captured.items() for d in c.graphs)
+        return self._graphs.keys()

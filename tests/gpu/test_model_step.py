@@ -92,6 +92,28 @@ def test_replays_capture_once_and_allocate_nothing():
     assert run.graphs() == [(2, False)]
 
 
+def test_graphs_follow_the_plan_across_batch_sizes():
+    """A batch of 1, then 3 (the decoder's row-id buffer grows, so the graph
+    of the batch of 1 reads a freed buffer), then 1 again: the graph of the
+    batch of 1 is captured again under the new plan, and every step's
+    logits equal eager steps' on a copy of the cache."""
+    m = model("entmax", "nape", torch.bfloat16)
+    cfg = m.cfg
+    runs = []
+    for graph in (True, False):
+        cache = PagedKVCache(400, 16, cfg.n_kv_heads, cfg.head_dim, max_seqs=3, max_pages_per_seq=120,
+                             dtype=torch.bfloat16, device="cuda", num_layers=cfg.n_layers)
+        seqs = [cache.allocate() for _ in range(3)]
+        m.prefill_paged(torch.randint(0, 512, (3, 300), generator=torch.Generator().manual_seed(2)).cuda(),
+                        cache, seqs)
+        runs.append(ModelStep(m, cache, TopK(64), cuda_graph=graph))
+    for batch in ([0], [0], [0], [0, 1, 2], [0, 1, 2], [0, 1, 2], [0], [0], [0]):
+        tok = torch.full((len(batch),), 7, dtype=torch.long, device="cuda")
+        got, want = (run.step(tok, batch).clone() for run in runs)
+        assert rel_err(got.float(), want.float()) < 1e-6
+    assert runs[0].graphs() == [(1, False), (3, False)]
+
+
 @pytest.mark.parametrize("kind", ["nape-entmax", "rope-softmax", "nape-softmax"])
 def test_gpu_prefill_equals_reference(kind):
     positions, attention = kind.split("-")
