@@ -157,6 +157,34 @@ def test_sampling_matches_eager():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_compiled_decode_equals_eager():
+    """transformers compiles the decode step of an EntmaxKVCache model (a
+    compileable cache; dynamo's "eager" backend here, the CPU): the
+    update and the attention run outside the compiled graph, the tokens and
+    scores are the uncompiled generate's, and later tokens reuse the graphs
+    (none is traced per token)."""
+    from transformers import CompileConfig
+
+    model = _model("qwen2", seed=12)
+    ids, mask = _prompt(seed=13, batch=2)
+    want, ws = _generate(model, "entmaxkv", ids, mask, H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5,
+                                                                        page_size=4, max_len=64), n=10)
+    cfg = CompileConfig(backend="eager", mode=None)
+    cfg._compile_all_devices = True  # (transformers compiles on the GPU only unless told)
+    assert not H.EntmaxKVCache(model).is_compileable  # (the default: generate runs the model eagerly)
+    cache = H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5, page_size=4, max_len=64, compileable=True)
+    assert cache.is_compileable
+    torch._dynamo.reset()
+    graphs = []
+    for n in (4, 10):
+        cache.reset()
+        got, gs = _generate(model, "entmaxkv", ids, mask, cache, n=n, compile_config=cfg,
+                            disable_compile=False)
+        assert torch.equal(got, want[:, :n]) and _rel(gs, ws[:, :n]) < 1e-6
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert hasattr(model, "_compiled_call") and 0 < graphs[0] == graphs[1]
+
+
 def test_refusals():
     model = _model("llama")
     ids, mask = _prompt(batch=2)

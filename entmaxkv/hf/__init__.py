@@ -22,11 +22,11 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .attention import EntmaxKVMask, entmaxkv_attention, entmaxkv_mask
+from .attention import entmaxkv_attention, entmaxkv_mask
 from .cache import EntmaxKVCache, Unsupported
 from .twin import MODEL_TYPE, ByteTokenizer, TwinConfig, TwinForCausalLM, convert
 
-__all__ = ["ATTN_IMPLEMENTATION", "ByteTokenizer", "EntmaxKVCache", "EntmaxKVMask", "TwinConfig", "TwinForCausalLM",
+__all__ = ["ATTN_IMPLEMENTATION", "ByteTokenizer", "EntmaxKVCache", "TwinConfig", "TwinForCausalLM",
            "Unsupported", "convert", "register"]
 
 ATTN_IMPLEMENTATION = "entmaxkv"

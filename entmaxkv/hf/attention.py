@@ -1,24 +1,32 @@
 """The "entmaxkv" attention implementation for transformers, and its mask.
 
 ``entmaxkv_mask`` replaces transformers' 4-D mask by what the attention
-function needs: the 2-D padding mask of the positions seen so far (True:
-a real token) and where the queries start. ``entmaxkv_attention`` then, for
-the layer's new tokens (q [B, HQ, T, D], k, v [B, H, T, D]):
+function needs: which of the new positions of each row are real tokens
+(not left padding), as a bool tensor [B, 1, T, 1]. transformers passes a
+4-D mask through its own mask code unchanged, and its shape does not grow
+with the cache, so a compiled decode step sees the same shape every token.
+``entmaxkv_attention`` then, for the layer's new tokens (q [B, HQ, T, D],
+k, v [B, H, T, D]):
 
 - writes the real ones (padding never enters the cache) into the layer of
   the paged cache: at layer 0 the pages are reserved for every layer
   (``PagedKVCache.reserve``), each layer writes through the slot mapping;
 - T = 1 for every row (decoding): one planned EntmaxKV step with the
-  cache's policy (plan at layer 0, run per layer);
+  cache's policy (plan at layer 0; per layer the write and the attention,
+  one CUDA graph on CUDA: ``entmaxkv.hf.step``);
 - otherwise (a prompt, or a chunk of one after cached context): dense
   causal attention of each row's new real tokens over its cached and new
   tokens, alpha-entmax or softmax: on CUDA the GPU prefill (SDPA or the
   fused Triton kernel, no T x T scores), else ``entmaxkv.prefill``; a
   padding query gets zeros.
+
+Both the cache update and the attention run outside ``torch.compile``
+(``torch.compiler.disable``): they reserve pages and plan on the host. When
+transformers compiles a model's decode step, the layers' other work is
+compiled around them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,35 +34,24 @@ import torch
 from ..backend import resolve_backend
 from ..prefill import paged_prefill
 
-__all__ = ["EntmaxKVMask", "entmaxkv_attention", "entmaxkv_mask"]
-
-
-@dataclass
-class EntmaxKVMask:
-    """What the attention function is given instead of a 4-D mask.
-
-    Attributes:
-        padding: bool [B, kv_length] (True: a real token), or None (none padded).
-        q_offset: position of the first query among the kv_length positions.
-    """
-
-    padding: Optional[torch.Tensor]
-    q_offset: int
+__all__ = ["entmaxkv_attention", "entmaxkv_mask"]
 
 
 def entmaxkv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
-                  **kwargs) -> EntmaxKVMask:
-    """transformers' mask interface for "entmaxkv": keeps the 2-D padding mask."""
-    pad = None
-    if attention_mask is not None:
-        pad = attention_mask.to(torch.bool)
-        if pad.shape[-1] < kv_length:  # (positions past the given mask are real tokens)
-            extra = torch.ones(pad.shape[0], kv_length - pad.shape[-1], dtype=torch.bool, device=pad.device)
-            pad = torch.cat((pad, extra), dim=-1)
-        pad = pad[:, :kv_length]
-    return EntmaxKVMask(pad, int(q_offset))
+                  device=None, **kwargs) -> torch.Tensor:
+    """transformers' mask interface for "entmaxkv": bool [B, 1, q_length, 1],
+    True where a new position is a real token (``attention_mask`` [B, >=
+    kv_length - q_length]: 1 real, 0 padding; positions past it are real)."""
+    if attention_mask is None:
+        return torch.ones(batch_size, 1, q_length, 1, dtype=torch.bool, device=device)
+    pad = attention_mask.to(torch.bool)[:, kv_length - q_length:kv_length]
+    if pad.shape[-1] < q_length:  # (positions past the given mask are real tokens)
+        extra = torch.ones(pad.shape[0], q_length - pad.shape[-1], dtype=torch.bool, device=pad.device)
+        pad = torch.cat((pad, extra), dim=-1)
+    return pad[:, None, :, None]
 
 
+@torch.compiler.disable
 def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                        scaling: Optional[float] = None, dropout: float = 0.0, **kwargs):
     """transformers' attention interface for "entmaxkv" (see the module docstring).
@@ -67,17 +64,17 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         raise ValueError("past_key_values: the 'entmaxkv' attention needs an entmaxkv.hf.EntmaxKVCache "
                          "(pass past_key_values=EntmaxKVCache(model, ...) to generate or forward)")
     cache, layer = tag
-    if not isinstance(attention_mask, EntmaxKVMask):
-        raise ValueError("attention_mask: expected the 'entmaxkv' mask (call entmaxkv.hf.register() before "
-                         "building the model's masks)")
+    B, HQ, T, D = query.shape
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+            and tuple(attention_mask.shape) == (B, 1, T, 1)):
+        raise ValueError("attention_mask: expected the 'entmaxkv' mask, bool [batch, 1, tokens, 1] (call "
+                         "entmaxkv.hf.register() before building the model's masks)")
     if dropout:
         raise ValueError(f"dropout: the 'entmaxkv' attention is for inference, got dropout={dropout}")
-    B, HQ, T, D = query.shape
     scale = float(scaling) if scaling is not None else D ** -0.5
     slopes = kwargs.get("alibi_slopes")
-    real = torch.ones(B, T, dtype=torch.bool, device=query.device) if attention_mask.padding is None \
-        else attention_mask.padding[:, -T:].to(query.device)
     paged = cache.paged
+    real = attention_mask[:, 0, :, 0]  # [B, T]
     with torch.no_grad():
         if layer == 0:
             counts = real.sum(-1).tolist()  # (host values: the pages are decided on the host)
@@ -85,15 +82,14 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             cache._decoding = T == 1 and all(c == 1 for c in counts)
             if cache._decoding:
                 cache.decoder(scale, slopes).plan_cache(paged, cache.slots)
-        if cache._decoding:  # one real token per row: no mask to apply
-            k_real, v_real = key[:, :, 0], value[:, :, 0]
-        else:
-            k_real = key.transpose(1, 2)[real]  # [tokens, H, D], row after row
-            v_real = value.transpose(1, 2)[real]
+                cache.steps(query.dtype, key.dtype).begin(cache._slot_mapping)
+        if cache._decoding:  # one real token per row: the layer's write and attention in one step
+            out = cache.steps(query.dtype, key.dtype).run(layer, query[:, :, 0], key[:, :, 0], value[:, :, 0])
+            return out[:, None], None
+        real = real.to(query.device)
+        k_real = key.transpose(1, 2)[real]  # [tokens, H, D], row after row
+        v_real = value.transpose(1, 2)[real]
         paged.write(k_real, v_real, cache._slot_mapping, layer=layer, backend=cache.backend)
-        if cache._decoding:
-            out = cache.decoder(scale, slopes).run(query[:, :, 0].contiguous(), paged.layer(layer))
-            return out[:, None].to(query.dtype), None
         return _dense(query, real, paged, cache, layer, scale, slopes, cache.prefill_scores), None
 
 

@@ -15,12 +15,13 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .._checks import as_choice, as_float, as_int, describe
+from .._checks import as_bool, as_choice, as_float, as_int, describe
 from ..backend import BACKENDS
 from ..cache import PagedKVCache
 from ..limits import check_alpha, effective_alpha
 from ..planner import Decoder
 from ..policies import Full, check_policy
+from .step import LayerSteps
 
 __all__ = ["EntmaxKVCache", "Unsupported"]
 
@@ -35,19 +36,24 @@ def _refuse(what: str) -> None:
 
 
 class _Layer(CacheLayerMixin):
-    """One model layer's view: counts the positions transformers has seen."""
+    """One model layer's view: counts the positions transformers has seen.
+    Compileable when its cache is: transformers' compiled decode step then
+    calls ``update`` and the "entmaxkv" attention outside the compiled graph
+    (both are ``torch.compiler.disable``d), and nothing in the step is sized
+    by the cache (the mask's shape does not grow with it)."""
 
-    is_compileable = False
     is_sliding = False
 
     def __init__(self, owner: "EntmaxKVCache", index: int) -> None:
         super().__init__()
         self.owner, self.index = owner, index
+        self.is_compileable = owner.compileable
         self.seen = 0  # positions processed, left padding included (transformers' view)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
+    @torch.compiler.disable
     def update(self, key_states, value_states, *args, **kwargs):
         self.owner._bind(key_states, value_states, self.index)
         key_states._entmaxkv = value_states._entmaxkv = (self.owner, self.index)
@@ -101,11 +107,21 @@ class EntmaxKVCache(Cache):
         backend: "auto", "reference" or "triton".
         prefill_scores: int >= 1, the most attention scores a prompt's
             dense attention holds at once (it runs in query chunks).
+        cuda_graphs: on CUDA with the Triton backend, run each layer's
+            decode (the cache write and the attention) as one CUDA graph,
+            captured after one direct run (``entmaxkv.hf.step``); False
+            launches every kernel from Python.
+        compileable: let transformers compile the model's decode step
+            (``torch.compile``, on a GPU by default when the cache is
+            compileable): each layer's cache update and attention then run
+            between compiled pieces, two graph breaks per layer. False (the
+            default): ``generate`` runs the model eagerly; the per-layer
+            CUDA graphs remove most of the attention's launch cost either way.
 
     ``cache.reset()`` frees the rows and keeps the paged cache and the
-    decoder with its CUDA graphs, so one cache serves many ``generate``
-    calls without capturing again (a new cache captures one graph per layer
-    in its first decode steps). A larger batch or another dtype after a reset
+    decoder with the layers' CUDA graphs, so one cache serves many
+    ``generate`` calls without capturing again (a new cache captures one
+    graph per layer in its first decode steps). A larger batch or another dtype after a reset
     builds a new paged cache.
     Raises:
         Unsupported (a ValueError) for a config with sliding-window or
@@ -115,7 +131,7 @@ class EntmaxKVCache(Cache):
 
     def __init__(self, model_or_config, *, policy=None, alpha: Optional[float] = None, page_size: int = 16,
                  max_len: int = 4096, dtype: Optional[torch.dtype] = None, device=None, backend: str = "auto",
-                 prefill_scores: int = 1 << 26):
+                 prefill_scores: int = 1 << 26, cuda_graphs: bool = True, compileable: bool = False):
         cfg = getattr(model_or_config, "config", model_or_config)
         for name in ("num_hidden_layers", "num_attention_heads"):
             if not isinstance(getattr(cfg, name, None), int):
@@ -135,9 +151,12 @@ class EntmaxKVCache(Cache):
         check_policy(self.policy, alpha=self.alpha, page_size=self.page_size)
         self.backend = as_choice(backend, "backend", BACKENDS)
         self.prefill_scores = as_int(prefill_scores, "prefill_scores", lo=1)
+        self.cuda_graphs = as_bool(cuda_graphs, "cuda_graphs")
+        self.compileable = as_bool(compileable, "compileable")
         self.dtype, self.device = dtype, device
         self._paged: Optional[PagedKVCache] = None
         self._decoder: Optional[Decoder] = None
+        self._steps: Optional[LayerSteps] = None
         self._slopes = None
         self._slots = None
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
@@ -165,7 +184,7 @@ class EntmaxKVCache(Cache):
         device = torch.device(self.device or key_states.device)
         if self._paged is not None and self._slots is None and (
                 B > self._paged.max_seqs or self._paged.dtype != dtype or not _same_device(self._paged.device, device)):
-            self._paged = self._decoder = None  # reset, then a larger batch or another dtype: a new cache
+            self._paged = self._decoder = self._steps = None  # reset, then a larger batch or another dtype: a new cache
         if self._paged is None:
             per_seq = -(-self.max_len // self.page_size)
             self._paged = PagedKVCache(B * per_seq, self.page_size, self.kv_heads, self.head_dim, max_seqs=B,
@@ -186,9 +205,18 @@ class EntmaxKVCache(Cache):
             self._decoder = Decoder(self.policy, q_heads=self.q_heads, kv_heads=self.kv_heads,
                                     head_dim=self.head_dim, page_size=self.page_size, alpha=self.alpha,
                                     scale=scale, alibi_slopes=slopes, device=self._paged.device,
-                                    backend=self.backend)
+                                    backend=self.backend, cuda_graphs=False)  # (graphs: LayerSteps)
             self._slopes = slopes
+            self._steps = None
         return self._decoder
+
+    def steps(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> LayerSteps:
+        """The layers' decode steps for the current batch (after ``decoder``;
+        kept while the batch size, the dtypes and the decoder stay)."""
+        key = (len(self._slots), q_dtype, kv_dtype)
+        if self._steps is None or self._steps.key() != key:
+            self._steps = LayerSteps(self._decoder, self._paged, *key, graphs=self.cuda_graphs, backend=self.backend)
+        return self._steps
 
     @property
     def slots(self):

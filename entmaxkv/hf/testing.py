@@ -50,7 +50,10 @@ def tiny_model(name: str, seed: int = 0, dtype=torch.float32, device="cpu"):
 
 def generate(model, impl: str, ids, mask, cache=None, n: int = 8, **kw):
     """Greedy generation with attention implementation ``impl``: (new tokens
-    [B, n], scores float [B, n, vocab])."""
+    [B, n], scores float [B, n, vocab]). Uncompiled unless
+    ``disable_compile=False`` is passed (transformers compiles the decode
+    step of a compileable cache on the GPU by default)."""
+    kw.setdefault("disable_compile", True)
     model.set_attn_implementation(impl)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, past_key_values=cache,
                          output_scores=True, return_dict_in_generate=True, pad_token_id=0, **kw)

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("transformers")
 
 import entmaxkv.hf as H  # noqa: E402
-from entmaxkv import Certified, Full, TopK  # noqa: E402
+from entmaxkv import Certified, Full, Gaussian, TopK  # noqa: E402
 from entmaxkv.hf.testing import SMALL, generate, register_dense, tiny_model  # noqa: E402
 
 H.register()
@@ -63,3 +63,55 @@ def test_entmax_equals_dense_reference(policy, dtype):
     cache = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128)
     got, gs = generate(model, "entmaxkv", ids, mask, cache, n=6)
     _agree(got, want, gs, ws, 2e-2 if dtype == torch.float16 else 4e-2)
+
+
+POLICIES = [Full(), TopK(16), Gaussian(), Certified(seed=TopK(16), dense_above=1.0),
+            Certified(seed=TopK(16), dense_above=0.01, probe_every=3)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["full", "topk", "gaussian", "certified", "certified_switch"])
+def test_layer_graphs_equal_direct_launches(policy):
+    """The per-layer CUDA graphs (write + attention, entmaxkv.hf.step) give
+    the direct launches' tokens and scores bit for bit, on the capturing
+    generate and on a replaying one after a reset, and every layer's step
+    was captured. With the certified cost check switching (both the
+    certified and the dense step captured) the steps that run dense depend
+    on when each coverage read lands, so there the runs agree to rounding."""
+    switch = isinstance(policy, Certified) and policy.dense_above < 1.0
+    model = tiny_model("llama", 5, torch.float16, "cuda")
+    model.config.entmax_alpha = 1.5
+    ids, mask = _prompt(6)
+    direct = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128, cuda_graphs=False)
+    want, ws = generate(model, "entmaxkv", ids, mask, direct, n=8)
+    assert direct._steps.captured() == []
+    cache = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128)
+    for _ in range(2):
+        cache.reset()
+        got, gs = generate(model, "entmaxkv", ids, mask, cache, n=8)
+        if switch:
+            _agree(got, want, gs, ws, 2e-2)
+        else:
+            assert torch.equal(got, want)
+            assert torch.equal(gs, ws)
+    layers = {layer for layer, _ in cache._steps.captured()}
+    assert layers == set(range(model.config.num_hidden_layers))
+    if switch:
+        assert {dense for _, dense in cache._steps.captured()} == {False, True}
+
+
+def test_compiled_decode_equals_uncompiled():
+    """On a GPU transformers compiles the decode step of a model with a
+    compileable EntmaxKVCache (inductor, CUDA graphs); the cache's update
+    and the attention run outside the compiled graph. Same tokens and scores (to
+    rounding: inductor fuses the layers' other work) as with
+    ``disable_compile=True``, on a compiling generate and a replaying one."""
+    model = tiny_model("llama", 7, torch.float16, "cuda")
+    model.config.entmax_alpha = 1.5
+    ids, mask = _prompt(8)
+    cache = H.EntmaxKVCache(model, policy=TopK(16), page_size=8, max_len=128, compileable=True)
+    want, ws = generate(model, "entmaxkv", ids, mask, cache, n=8)
+    for _ in range(2):
+        cache.reset()
+        got, gs = generate(model, "entmaxkv", ids, mask, cache, n=8, disable_compile=False)
+        _agree(got, want, gs, ws, 2e-2)
+    assert hasattr(model, "_compiled_call")
