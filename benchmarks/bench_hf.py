@@ -8,13 +8,19 @@ For each model and prompt length (batch 1, the same random prompt for both):
   attention with HF's static cache (it materialises T x T scores, so long
   prompts may run out of memory: the row then records the error);
 - ``entmaxkv``: the "entmaxkv" attention with an ``EntmaxKVCache(policy)``,
-  one cache reset before each generate (as HF keeps its static cache).
+  one cache reset before each generate (as HF keeps its static cache);
+  each layer's decode (cache write and attention) replays a CUDA graph;
+- ``entmaxkv_eager`` (with ``--eager``): the same with
+  ``cuda_graphs=False``, every kernel launched from Python.
 
-Each is timed generating 1 and ``--new`` tokens (median of ``--reps``):
+Each is timed generating 1 and ``--new`` tokens (median of ``--reps``, the
+methods' runs alternating):
 prefill seconds = t(1), decode tokens/s = (new - 1) / (t(new) - t(1)). HF's
-own per-token Python work is in both. With ``--compile`` the sdpa model's
-forward also runs under torch.compile (HF's static-cache path); the
-EntmaxKVCache is not a compileable cache, so its row says so.
+own per-token Python work is in both. With ``--compile`` both also run
+transformers' compiled decode step (``*_compiled``: torch.compile of the
+forward, mode "reduce-overhead"; the EntmaxKVCache's update and attention
+run outside the compiled graph, the rest of each layer inside it); the rows
+without it pass ``disable_compile=True``.
 
 Models: ``llama8b`` (the Llama-3-8B shape, random weights, bf16: 32 layers,
 32 / 8 heads, head dim 128, SwiGLU 14336, vocab 128256) and ``twin`` (the
@@ -89,33 +95,77 @@ def generator(model, ids, label: str, *, budget: int, page_size: int, new: int):
     from entmaxkv import TopK
 
     mask = torch.ones_like(ids)
-    cache = None if label != "entmaxkv" else H.EntmaxKVCache(model, policy=TopK(budget), page_size=page_size,
-                                                              max_len=ids.shape[1] + new)
+    ours = label.startswith("entmaxkv")
+    cache = None if not ours else H.EntmaxKVCache(model, policy=TopK(budget), page_size=page_size,
+                                                   max_len=ids.shape[1] + new,
+                                                   cuda_graphs=not label.endswith("_eager"),
+                                                   compileable=label.endswith("_compiled"))
+    # HF compiles the decode step of a compileable cache on its own unless told not to.
+    kw = {"disable_compile": not label.endswith("_compiled")}
+    if ours:
+        kw["past_key_values"] = cache
+    else:
+        kw["cache_implementation"] = "static"
 
     def make(k: int):
-        if label != "entmaxkv":
-            model.set_attn_implementation(label.split("_")[0])
-            # HF compiles a static-cache forward on its own unless told not to.
-            kw = {"cache_implementation": "static", "disable_compile": not label.endswith("_compiled")}
-        else:
-            model.set_attn_implementation("entmaxkv")
+        model.set_attn_implementation(label.split("_")[0])
+        if ours:
             cache.reset()
-            kw = {"past_key_values": cache}
         return model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
                               pad_token_id=0, **kw)
 
     return make
 
 
-def measure(model, ids, label: str, args, device) -> dict:
-    """Prefill seconds and decode tokens/s of one method on one prompt ``ids`` [1, n] int64."""
-    make = generator(model, ids, label, budget=args.budget, page_size=args.page_size, new=args.new)
+def measure(model, ids, labels, args, device) -> dict:
+    """Prefill seconds and decode tokens/s of each method in ``labels`` on one
+    prompt ``ids`` [1, n] int64: label -> dict, or {"error": ...} for a
+    method that failed. The timed runs alternate between the methods (rep
+    after rep), so a drift of the host's speed during the run reaches all
+    of them alike."""
+    makes, out = {}, {}
     with torch.no_grad():
-        make(args.new)  # warm-up: compiles kernels, sizes HF's static cache, captures our graphs
-        t1 = statistics.median(timed(lambda: make(1), device) for _ in range(args.reps))
-        tn = statistics.median(timed(lambda: make(args.new), device) for _ in range(args.reps))
-    return {"prefill_s": t1, "decode_tokens_per_s": (args.new - 1) / max(tn - t1, 1e-9),
-            "ms_per_token": 1e3 * (tn - t1) / (args.new - 1)}
+        for label in labels:
+            try:
+                makes[label] = generator(model, ids, label, budget=args.budget, page_size=args.page_size,
+                                         new=args.new)
+                makes[label](args.new)  # warm-up: compiles, sizes HF's static cache, captures our graphs
+            except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                makes.pop(label, None)
+                out[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        times = {label: ([], []) for label in makes}
+        for _ in range(args.reps):
+            for label, make in makes.items():
+                times[label][0].append(timed(lambda: make(1), device))
+                times[label][1].append(timed(lambda: make(args.new), device))
+    for label, (t1s, tns) in times.items():
+        t1, tn = statistics.median(t1s), statistics.median(tns)
+        out[label] = {"prefill_s": t1, "decode_tokens_per_s": (args.new - 1) / max(tn - t1, 1e-9),
+                      "ms_per_token": 1e3 * (tn - t1) / (args.new - 1)}
+    return out
+
+
+def plot(rows, path):
+    """ms per decode token of each method, per model and prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["model"], r["n"]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(cases) * max(len(methods), 1) / 3, 4))
+    w = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        got = {(r["model"], r["n"]): r.get("ms_per_token") for r in rows if r["method"] == m}
+        xs = [x for x, c in enumerate(cases) if got.get(c) is not None]
+        ax.bar([x + i * w for x in xs], [got[cases[x]] for x in xs], w, label=m)
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(cases))], [f"{m} {n // 1024}k" for m, n in cases])
+    ax.set_ylabel("ms per decode token (lower is faster)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -127,10 +177,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="timed runs per measurement (>= 1)")
     ap.add_argument("--budget", type=int, default=1024, help="TopK budget of the EntmaxKV policy")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--compile", action="store_true", help="also time the sdpa model under torch.compile")
+    ap.add_argument("--compile", action="store_true", help="also time transformers' compiled decode step (both)")
+    ap.add_argument("--eager", action="store_true", help="also time EntmaxKVCache(cuda_graphs=False)")
     ap.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "entmax"), help="the twin checkpoint")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--out", default=None, help="folder for bench_hf.json")
+    ap.add_argument("--out", default=None, help="folder for bench_hf.json and .png")
     args = ap.parse_args(argv)
     if args.new < 2 or args.reps < 1:
         ap.error("--new must be >= 2 and --reps >= 1")
@@ -143,22 +194,19 @@ def main(argv=None):
         for n in (int(x) for x in args.lengths.split(",")):
             gen = torch.Generator().manual_seed(n)
             ids = torch.randint(1, vocab, (1, n), generator=gen).to(device)
-            runs = {}
             base = BASELINE[name]
-            for label in (base, base + "_compiled", "entmaxkv"):
-                if label.endswith("_compiled") and not args.compile:
-                    continue
-                row = {"model": name, "n": n, "method": label, "new": args.new}
-                try:
-                    row.update(measure(model, ids, label, args, device))
-                except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                runs[label] = row
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            if all("decode_tokens_per_s" in runs.get(k, {}) for k in (base, "entmaxkv")):
-                runs["entmaxkv"]["speedup_vs_" + base] = (runs["entmaxkv"]["decode_tokens_per_s"]
-                                                          / runs[base]["decode_tokens_per_s"])
+            labels = [base, "entmaxkv"] + [base + "_compiled", "entmaxkv_compiled"] * args.compile \
+                + ["entmaxkv_eager"] * args.eager
+            runs = {}
+            for label, res in measure(model, ids, labels, args, device).items():
+                runs[label] = {"model": name, "n": n, "method": label, "new": args.new, **res}
+                rows.append(runs[label])
+                print(json.dumps(runs[label]), flush=True)
+            for ours, ref in (("entmaxkv", base), ("entmaxkv_eager", base),
+                              ("entmaxkv_compiled", base + "_compiled")):
+                if all("decode_tokens_per_s" in runs.get(k, {}) for k in (ref, ours)):
+                    runs[ours]["speedup_vs_" + ref] = (runs[ours]["decode_tokens_per_s"]
+                                                       / runs[ref]["decode_tokens_per_s"])
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -169,6 +217,7 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_hf.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        plot(rows, os.path.join(args.out, "bench_hf.png"))
     return rows
 
 
