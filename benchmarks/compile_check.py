@@ -101,7 +101,7 @@ def run_cases():
     topk = [(TopK(128), (1.5,)), (Certified(), (1.5,))]
     variants = [(KernelConfig(), base, True),
                 (KernelConfig(attention=AttentionConfig(finish=False)), attention, False),
-                (KernelConfig(attention=AttentionConfig(finish_prune=True, solve_tile=64)), attention, False),
+                (KernelConfig(attention=AttentionConfig(finish_prune=False, solve_tile=64)), attention, False),
                 (KernelConfig(attention=AttentionConfig(solve_in_regs=False, prefetch_pages=False,
                                                         fused_sums_interpreted=True)), attention, False),
                 (KernelConfig(topk=TopKConfig(rowsel=False)), topk, False),

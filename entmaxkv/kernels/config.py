@@ -53,9 +53,9 @@ class AttentionConfig:
     finish_warps: Tuple[int, int] = (4, 8)
     finish_block: int = 256
     # The finish first drops, in one pass, the candidates below the row's lower
-    # bound on tau when its lists outgrow the register tile (a launch variant
-    # for dense rows whose lists are much longer than their support).
-    finish_prune: bool = False
+    # bound on tau when its lists outgrow the register tile (dense rows, whose
+    # lists are much longer than their support).
+    finish_prune: bool = True
     # The solve's sums in one multi-operand reduction per step; the interpreter
     # runs those element by element, so there only with fused_sums_interpreted.
     fused_sums: bool = True
