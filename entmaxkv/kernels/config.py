@@ -109,8 +109,12 @@ class TopKConfig:
     """Launch choices of the top-k selection kernels (kernels/topk/)."""
 
     # Score all heads of a page in one program (_topk_keys_kernel) when there is
-    # one query head per KV head (False: the per-head chunk kernel).
+    # one query head per KV head (False: the per-head chunk kernel); with
+    # keys_gqa also for GQA selections per KV head, whose rank is the largest
+    # bound of the group's query heads (then the pre-filter and the row
+    # selection apply to GQA as well).
     all_heads: bool = True
+    keys_gqa: bool = False
     # _topk_chunk_kernel's warps and largest chunk (pages) when the keys are ready.
     select_warps: int = 4
     select_ch: int = 4096

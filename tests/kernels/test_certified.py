@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 
 import entmaxkv.kernels as K  # noqa: E402
 from entmaxkv import Certified, Full, Gaussian, TopK, decode  # noqa: E402
+from entmaxkv.kernels import KernelConfig, TopKConfig  # noqa: E402
 from entmaxkv import attention as RA  # noqa: E402
 from entmaxkv import policies as RP  # noqa: E402
 from entmaxkv import scoring as RS  # noqa: E402
@@ -47,6 +48,23 @@ def test_certified_select_and_certificate(seed_policy, per_q, alpha):
         got = K.certify(ub, tk, ttau, a, lay.seq_len, page_size=8, slack=slack)
         want = RA.certify(ub, tk, ttau, a, lay.seq_len, page_size=8, slack=slack)
         assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("slopes", [True, False], ids=["alibi", "nope"])
+def test_certified_gqa_seed_through_the_keys_pass(slopes, launches):
+    """GQA with TopKConfig.keys_gqa: the seed's per-query-head bounds + slack
+    come from _topk_keys_kernel; the selection is the reference's and the
+    output is full-cache attention."""
+    cache, ids, q, sl = case([260, 45], 2, 3, 24, 4, torch.float16, seed=21, key_scale=2.0, slopes=slopes)
+    pol = Certified(seed=TopK(24), window=1)
+    cfg = KernelConfig(topk=TopKConfig(keys_gqa=True))
+    sel = K.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=cfg)
+    assert "_topk_keys_kernel" in launches.names()
+    ref = RP.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert page_sets(sel) == page_sets(ref)
+    out, _ = K.attend(q, cache, ids, sel, alpha=1.5, scale=0.3, slopes=sl)
+    full, _ = K.dense_attend(q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert rel_err(out, full) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0])

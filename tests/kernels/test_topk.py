@@ -83,6 +83,27 @@ def test_topk_one_query_head_per_kv_head(policy, dtype, H, D, P, slopes, all_hea
     assert page_sets(sel) == page_sets(ref)
 
 
+@pytest.mark.parametrize("policy", [TopK(24), TopK(40, sinks=1, window=2)], ids=["k24", "k40-sinks-window"])
+@pytest.mark.parametrize("dtype,H,G,D,P,slopes", [
+    (torch.float16, 2, 2, 24, 4, True), (torch.bfloat16, 3, 3, 16, 8, False), (torch.float32, 1, 4, 40, 1, True),
+], ids=["f16-h2-g2-alibi", "bf16-h3-g3", "f32-h1-g4-p1-alibi"])
+@pytest.mark.parametrize("path", ["keys", "rowsel", "chain"])
+def test_topk_gqa_keys_pass(policy, dtype, H, G, D, P, slopes, path, launches):
+    """GQA with keys_gqa: _topk_keys_kernel ranks each page of a KV head by
+    the largest bound of its G query heads (odd G, odd head counts), then
+    the pre-filtered chain or _topk_rowsel_kernel; the per-head chunk chain
+    (keys_gqa off, the default) must agree, both equal to the reference."""
+    c = TopKConfig(keys_gqa=path != "chain", rowsel=path == "rowsel", rowsel_min_pages=0)
+    cache, ids, q, sl = case([700, 3, 1100], H, G, D, P, dtype, seed=G + 17, slopes=slopes)
+    sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=_cfg(c))
+    ran = launches.names()
+    assert ("_topk_keys_kernel" in ran) == (path != "chain") and ("_topk_rowsel_kernel" in ran) == (path == "rowsel")
+    ref = RP.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl)
+    assert sel.pages.shape == ref.pages.shape
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    assert page_sets(sel) == page_sets(ref)
+
+
 def test_rowsel_dispatch(launches):
     """use_rowsel picks _topk_rowsel_kernel except for short rows with small
     budgets when rows >= SMs (the benchmark's 8 x 32k top-k 1024), and

@@ -1,5 +1,5 @@
-"""Pass 0 of the top-k selection: the rank keys of every page and head
-(``_topk_keys_kernel``, one query head per KV head) and the group maxima of
+"""Pass 0 of the top-k selection: the rank keys of every page and KV head
+(``_topk_keys_kernel``) and the group maxima of
 the key table (``_topk_gmax_kernel``) behind the pre-filter's lower bound."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ def _keys_chunk(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr, i_b, i_c,
     scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
     M, MK, sinks, window, k_pages,
-    H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
-    AS_IS: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    WRITE_UB: tl.constexpr, AS_IS: tl.constexpr,
 ):
     """_topk_keys_kernel's work for batch row i_b and page chunk i_c (a helper, so
     that a persistent grid could loop over chunks)."""
@@ -44,34 +44,42 @@ def _keys_chunk(
         p_k = kmin_ptr + (phys * stride_mp + h0 * stride_mh)[:, None, None, None] + o_in[None, :, :, :]
         m_in = m_h[:, None, None] & (o_2 < 2)[None, :, None] & m_d[None, None, :]
         b_raw = tl.load(p_k, mask=m_v[:, None, None, None] & m_in[None, :, :, :], other=0.0)
-        # the step's queries (and slopes) are reloaded per step: L1 hits
-        b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
-                      mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
-        # (tl.where keeps a NaN of q, which tl.minimum / tl.maximum may drop:
-        # NaN bounds, as in the reference)
-        b_qq = tl.where((o_2 == 0)[None, :, None], tl.where(b_q > 0.0, 0.0, b_q)[:, None, :],
-                        tl.where(b_q < 0.0, 0.0, b_q)[:, None, :])
         b_k = b_raw.to(tl.float32)
-        b_u = tl.sum(tl.sum(b_k * b_qq[None, :, :, :], axis=3), axis=2) * scale  # [BLOCK_M, HG]
-        if HAS_ALIBI:
-            b_sl = tl.load(slopes_ptr + o_h, mask=m_h, other=0.0)
-            pos_q = n - 1
-            rel_first = (o_m * P - pos_q).to(tl.float32)
-            rel_last = (o_m * P + n_tok - 1 - pos_q).to(tl.float32)
-            b_u += tl.maximum(rel_first[:, None] * b_sl[None, :], rel_last[:, None] * b_sl[None, :])
-        b_u = tl.where(m_v[:, None], b_u, float("-inf"))
-        o_row = (i_b * H + o_h).to(tl.int64)
-        if WRITE_UB:  # the certified policy's safe bound: u + rounding slack (scoring.bound_slack)
+        if WRITE_UB:
             b_kabs = tl.max(tl.abs(b_k), axis=2)  # [BLOCK_M, HG, BLOCK_D]
-            b_mag = tl.sum(b_kabs * tl.abs(b_q)[None, :, :], axis=2) * scale
+        # a KV head's rank is the largest bound of its G query heads (the
+        # metadata is read once for all of them)
+        b_rank = tl.full([BLOCK_M, HG], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            o_qh = o_h * G + g  # the query heads of KV heads o_h
+            # the step's queries (and slopes) are reloaded per step: L1 hits
+            b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qb + o_qh[:, None] * stride_qh + o_d[None, :],
+                          mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            # half 0 multiplies k_min (the negative part of q), half 1 k_max (the positive part)
+            # (tl.where keeps a NaN of q, which tl.minimum / tl.maximum may drop:
+            # NaN bounds, as in the reference)
+            b_qq = tl.where((o_2 == 0)[None, :, None], tl.where(b_q > 0.0, 0.0, b_q)[:, None, :],
+                            tl.where(b_q < 0.0, 0.0, b_q)[:, None, :])
+            b_u = tl.sum(tl.sum(b_k * b_qq[None, :, :, :], axis=3), axis=2) * scale  # [BLOCK_M, HG]
             if HAS_ALIBI:
-                b_mag += tl.abs(b_sl)[None, :] * (n + 1).to(tl.float32)
-            b_slack = (4.0 * (D + 4) * 1.1920928955078125e-07) * b_mag
-            tl.store(ub_ptr + o_row[None, :] * M + o_m[:, None], b_u + b_slack,
-                     mask=(o_m < M)[:, None] & m_h[None, :])
+                b_sl = tl.load(slopes_ptr + o_qh, mask=m_h, other=0.0)
+                pos_q = n - 1
+                rel_first = (o_m * P - pos_q).to(tl.float32)
+                rel_last = (o_m * P + n_tok - 1 - pos_q).to(tl.float32)
+                b_u += tl.maximum(rel_first[:, None] * b_sl[None, :], rel_last[:, None] * b_sl[None, :])
+            b_u = tl.where(m_v[:, None], b_u, float("-inf"))
+            if WRITE_UB:  # the certified policy's safe bound: u + rounding slack (scoring.bound_slack)
+                b_mag = tl.sum(b_kabs * tl.abs(b_q)[None, :, :], axis=2) * scale
+                if HAS_ALIBI:
+                    b_mag += tl.abs(b_sl)[None, :] * (n + 1).to(tl.float32)
+                b_slack = (4.0 * (D + 4) * 1.1920928955078125e-07) * b_mag
+                o_urow = (i_b * H * G + o_qh).to(tl.int64)
+                tl.store(ub_ptr + o_urow[None, :] * M + o_m[:, None], b_u + b_slack,
+                         mask=(o_m < M)[:, None] & m_h[None, :])
+            b_rank = tl.maximum(b_rank, page_rank(b_u))
+        o_row = (i_b * H + o_h).to(tl.int64)
         forced = (o_m < sinks) | (o_m >= npages - wnd)
-        b_rank = tl.where(forced[:, None], float("inf"), page_rank(b_u))
+        b_rank = tl.where(forced[:, None], float("inf"), b_rank)
         b_key = tl.where(m_v[:, None], sortable_key(b_rank), INT32_MIN)
         store_b32(key_ptr + o_row[None, :] * MK + o_m[:, None], b_key, (o_m < MK)[:, None] & m_h[None, :], AS_IS)
 
@@ -81,14 +89,15 @@ def _topk_keys_kernel(
     q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr,
     scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off,
     M, MK, sinks, window, k_pages,
-    H: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr, WRITE_UB: tl.constexpr,
-    AS_IS: tl.constexpr, cnt_ptr, PUBLISH: tl.constexpr, PDL: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, HG: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NSUB: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    WRITE_UB: tl.constexpr, AS_IS: tl.constexpr, cnt_ptr, PUBLISH: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Rank keys of KCH = NSUB * BLOCK_M pages for *all* heads of a batch row
-    (one query head per KV head): each page's metadata of HG heads is read as
-    one contiguous run (HG a power of two dividing H, or next_pow2(H) masked),
-    one (page block, head group) per step. (Loading the next step's metadata
+    """Rank keys of KCH = NSUB * BLOCK_M pages for *all* KV heads of a batch
+    row: each page's metadata of HG heads is read as one contiguous run (HG a
+    power of two dividing H, or next_pow2(H) masked), one (page block, head
+    group) per step; a KV head's rank is the largest bound of its G query
+    heads (one selection per KV head; ``ub``, when written, per query head). (Loading the next step's metadata
     before computing this step's keys measured no faster:
     experiments/logs/tune_keys.log.) Keys go to
     key_ptr[(b * H + h) * MK + page] (INT32_MIN past the end, up to
@@ -100,7 +109,7 @@ def _topk_keys_kernel(
     i_b, i_c = grid_ids(PUBLISH)
     _keys_chunk(q_ptr, slopes_ptr, ids_ptr, lens_ptr, bt_ptr, kmin_ptr, key_ptr, ub_ptr, i_b, i_c,
                 scale, stride_qb, stride_qh, stride_mp, stride_mh, half_off, M, MK, sinks, window, k_pages,
-                H, HG, P, D, BLOCK_D, BLOCK_M, NSUB, HAS_ALIBI, WRITE_UB, AS_IS)
+                H, G, HG, P, D, BLOCK_D, BLOCK_M, NSUB, HAS_ALIBI, WRITE_UB, AS_IS)
     if PUBLISH:  # every thread's keys stored before the release that publishes them
         publish(cnt_ptr + i_b)
 

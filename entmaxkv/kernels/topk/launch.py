@@ -18,14 +18,14 @@ from .rowsel import _topk_rowsel_kernel
 def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, window: int,
                 k_pages: int, *, has_alibi: bool, c: TopKConfig, cnt: Optional[torch.Tensor] = None,
                 pdl: bool = True) -> dict:
-    """Launch _topk_keys_kernel (one query head per KV head): rank keys of every
-    page and head into ``keys`` [B * H * MK] int32 and, when ``ub`` is given,
-    the certified bounds into it. ``sl``: as_slopes output; ``ids``: int32
+    """Launch _topk_keys_kernel: rank keys of every page and KV head (the
+    largest bound of its query heads) into ``keys`` [B * H * MK] int32 and,
+    when ``ub`` is given, the certified bounds of every query head into it. ``sl``: as_slopes output; ``ids``: int32
     cache slots; ``cnt``: int32 [B] zeros, or None: raised by one per chunk
     of keys stored, in batch order (the overlapped selection; a batch row
     is complete at cdiv(MK, plan["KCH"])). Returns the keys_plan used
     (benchmarks/tune_keys.py times this launch alone)."""
-    B, _, D = q.shape
+    B, HQ, D = q.shape
     H, P = cache.kv_heads, cache.page_size
     M = cache.block_table.shape[1]
     smp, smh = meta_strides(cache)
@@ -36,7 +36,7 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
         q, sl, ids, cache.seq_lens, cache.block_table, cache.k_min, keys, ub if ub is not None else keys,
         float(scale), q.stride(0), q.stride(1), smp, smh, half_offset(cache.k_min, cache.k_max),
         M, MK, int(sinks), int(window), k_pages,
-        H=H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
+        H=H, G=HQ // H, HG=kp["HG"], P=P, D=D, BLOCK_D=next_pow2(D),
         BLOCK_M=kp["BLOCK_M"], NSUB=kp["KCH"] // kp["BLOCK_M"],
         HAS_ALIBI=has_alibi, WRITE_UB=ub is not None, AS_IS=c.keys_as_is,
         cnt_ptr=cnt if cnt is not None else keys, PUBLISH=cnt is not None, num_warps=kp["WARPS"], **opts,
@@ -143,7 +143,9 @@ def select_topk(
     dev = q.device
     config = resolve(config)
     c = config.topk
-    all_heads = c.all_heads and G == 1
+    # the keys pass scores all heads of a page at once: MHA, and GQA with one
+    # selection per KV head (keys_gqa)
+    all_heads = c.all_heads and (G == 1 or (c.keys_gqa and S == H))
     cfg = topk_plan(c, M, W, NG, D, q.dtype, cache.dtype, B * S, num_sms(dev),
                     cap=c.select_ch if all_heads else 4096)
     NCH, CH = cfg["NCH"], cfg["CH"]
