@@ -130,9 +130,7 @@ class Decoder:
         as_choice(backend, "backend", BACKENDS)
         _check_kernel_config(kernel_config)
         self._ops = resolve_backend(backend, self.device, kernel_config)
-        # (the reference stages are not written to be captured)
-        self.cuda_graphs = (as_bool(cuda_graphs, "cuda_graphs") and self.device.type == "cuda"
-                            and self._ops.name == "triton")
+        self.cuda_graphs = as_bool(cuda_graphs, "cuda_graphs") and self.capturable
         # the certified policy's cost check (off for other policies and with probe_every 1)
         cert = isinstance(self.policy, Certified)
         self._switch = cert and self.policy.probe_every > 1 and self.policy.dense_above < 1.0
@@ -278,6 +276,12 @@ class Decoder:
         if self.cuda_graphs and not capturing:
             return self._run_graph(q, layer, ids, out, return_stats, dense, lkey)
         return self._run_direct(q, layer, ids, out, return_stats, dense, lkey, keep_cov=not capturing)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether its steps can be captured in a CUDA graph: on CUDA with the
+        Triton backend (the reference stages are not written to be captured)."""
+        return self.device.type == "cuda" and self._ops.name == "triton"
 
     @property
     def plan_key(self) -> Optional[tuple]:

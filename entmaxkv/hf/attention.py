@@ -74,10 +74,9 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     scale = float(scaling) if scaling is not None else D ** -0.5
     slopes = kwargs.get("alibi_slopes")
     paged = cache.paged
-    real = attention_mask[:, 0, :, 0]  # [B, T]
     with torch.no_grad():
         if layer == 0:
-            counts = real.sum(-1).tolist()  # (host values: the pages are decided on the host)
+            counts = attention_mask[:, 0, :, 0].sum(-1).tolist()  # (host values: the pages are decided on the host)
             cache._slot_mapping = paged.reserve(cache.slots, counts)
             cache._decoding = T == 1 and all(c == 1 for c in counts)
             if cache._decoding:
@@ -86,7 +85,7 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         if cache._decoding:  # one real token per row: the layer's write and attention in one step
             out = cache.steps(query.dtype, key.dtype).run(layer, query[:, :, 0], key[:, :, 0], value[:, :, 0])
             return out[:, None], None
-        real = real.to(query.device)
+        real = attention_mask[:, 0, :, 0].to(query.device)  # [B, T]
         k_real = key.transpose(1, 2)[real]  # [tokens, H, D], row after row
         v_real = value.transpose(1, 2)[real]
         paged.write(k_real, v_real, cache._slot_mapping, layer=layer, backend=cache.backend)

@@ -121,8 +121,8 @@ class EntmaxKVCache(Cache):
     ``cache.reset()`` frees the rows and keeps the paged cache and the
     decoder with the layers' CUDA graphs, so one cache serves many
     ``generate`` calls without capturing again (a new cache captures one
-    graph per layer in its first decode steps). A larger batch or another dtype after a reset
-    builds a new paged cache.
+    graph per layer in its first decode steps). A larger batch or another
+    dtype after a reset builds a new paged cache.
     Raises:
         Unsupported (a ValueError) for a config with sliding-window or
         soft-capped attention or attention sinks, and, during generation, for
@@ -180,17 +180,17 @@ class EntmaxKVCache(Cache):
         """Build the paged cache at the first update (batch size, dtype,
         device known then), or take rows in it again after a ``reset``."""
         B = key_states.shape[0]
-        dtype = self.dtype or key_states.dtype
-        device = torch.device(self.device or key_states.device)
-        if self._paged is not None and self._slots is None and (
-                B > self._paged.max_seqs or self._paged.dtype != dtype or not _same_device(self._paged.device, device)):
-            self._paged = self._decoder = self._steps = None  # reset, then a larger batch or another dtype: a new cache
-        if self._paged is None:
-            per_seq = -(-self.max_len // self.page_size)
-            self._paged = PagedKVCache(B * per_seq, self.page_size, self.kv_heads, self.head_dim, max_seqs=B,
-                                       max_pages_per_seq=per_seq, dtype=dtype, device=device,
-                                       num_layers=self.num_layers)
         if self._slots is None:
+            dtype = self.dtype or key_states.dtype
+            device = torch.device(self.device or key_states.device)
+            if self._paged is not None and (B > self._paged.max_seqs or self._paged.dtype != dtype
+                                            or not _same_device(self._paged.device, device)):
+                self._paged = self._decoder = self._steps = None  # a larger batch, dtype or device: a new cache
+            if self._paged is None:
+                per_seq = -(-self.max_len // self.page_size)
+                self._paged = PagedKVCache(B * per_seq, self.page_size, self.kv_heads, self.head_dim, max_seqs=B,
+                                           max_pages_per_seq=per_seq, dtype=dtype, device=device,
+                                           num_layers=self.num_layers)
             self._slots = [self._paged.allocate() for _ in range(B)]
         elif B != len(self._slots):
             _refuse(f"a batch of {B} rows after {len(self._slots)} (the batch changed between steps)")

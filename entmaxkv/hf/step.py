@@ -48,7 +48,7 @@ class LayerSteps:
         dev = paged.device
         L, HQ, H, D = paged.num_layers, decoder.q_heads, paged.kv_heads, paged.head_dim
         self.decoder, self.paged, self.backend = decoder, paged, backend
-        self.graphs = graphs and dev.type == "cuda" and decoder._ops.name == "triton"
+        self.graphs = graphs and decoder.capturable
         self.layers = [paged.layer(i) for i in range(L)]
         self.q = torch.zeros(B, HQ, D, dtype=q_dtype, device=dev)
         self.k = torch.zeros(B, H, D, dtype=kv_dtype, device=dev)

@@ -115,8 +115,7 @@ class ModelStep:
                                alibi_slopes=slopes, device=device, backend=backend, cuda_graphs=False,
                                kernel_config=kernel_config)
         self.backend = backend
-        self.cuda_graph = (as_bool(cuda_graph, "cuda_graph") and device.type == "cuda"
-                           and self.decoder._ops.name == "triton")
+        self.cuda_graph = as_bool(cuda_graph, "cuda_graph") and self.decoder.capturable
         if fused is None:
             self.fused = self.decoder._ops.name == "triton" and device.type == "cuda"
         else:

@@ -20,8 +20,8 @@ def launch_keys(q, sl, ids, cache, keys, ub, MK: int, scale: float, sinks: int, 
                 pdl: bool = True) -> dict:
     """Launch _topk_keys_kernel: rank keys of every page and KV head (the
     largest bound of its query heads) into ``keys`` [B * H * MK] int32 and,
-    when ``ub`` is given, the certified bounds of every query head into it. ``sl``: as_slopes output; ``ids``: int32
-    cache slots; ``cnt``: int32 [B] zeros, or None: raised by one per chunk
+    when ``ub`` is given, the certified bounds of every query head into it.
+    ``sl``: as_slopes output; ``ids``: int32 cache slots; ``cnt``: int32 [B] zeros, or None: raised by one per chunk
     of keys stored, in batch order (the overlapped selection; a batch row
     is complete at cdiv(MK, plan["KCH"])). Returns the keys_plan used
     (benchmarks/tune_keys.py times this launch alone)."""
