@@ -12,6 +12,7 @@ import entmaxkv.kernels as K  # noqa: E402
 from entmaxkv import Full, TopK  # noqa: E402
 from entmaxkv import attention as RA  # noqa: E402
 from entmaxkv import policies as RP  # noqa: E402
+from entmaxkv.cache import PagedKVCache  # noqa: E402
 from entmaxkv.kernels import AttentionConfig, KernelConfig  # noqa: E402
 from entmaxkv.kernels._common import launch_count  # noqa: E402
 from entmaxkv.kernels.attention.plan import _max_share, _plan  # noqa: E402
@@ -421,3 +422,51 @@ def test_attend_ready(alpha, G, finish, published, launches):
     bad = Selection(ref.pages, ref.counts, pending=Pending(ready[:1], launch_count()))
     with pytest.raises(ValueError, match="pending"):
         K.attend(q, cache, ids, bad, alpha=alpha, scale=0.3, config=_cfg(c))
+
+
+# The 34 keys (head dim 3, float16) of a row the fuzz suite found: with alpha
+# 3.79 the third largest score sits just above tau, and Halley's steps cycled
+# between the two sides of the root without narrowing the bracket.
+_CYCLE_KEYS = [
+    1.161133, 0.928223, 0.438965, 1.338867, -0.757324, -1.234375,
+    0.050842, 2.003906, 0.396484, -1.696289, -0.744629, 0.547363,
+    -0.342529, -0.030334, -0.861328, 0.380371, -1.608398, -2.287109,
+    -1.177734, -0.67334, 1.318359, -0.085083, 0.159668, 0.891602,
+    0.930664, 1.389648, 1.742188, -0.387451, 0.321777, -1.03418,
+    -0.825684, 1.177734, 0.375488, 0.338623, 0.631348, -0.277344,
+    -0.521973, -0.460449, -1.742188, -0.722656, -0.415527, 0.120117,
+    -0.728027, 0.276367, 0.268799, 0.066406, -1.442383, 0.362061,
+    -0.963867, -1.455078, -1.451172, 0.426758, -0.955566, 0.738281,
+    0.215088, -0.76123, 0.03067, -0.756348, -0.647949, 1.194336,
+    -1.313477, -0.619629, -1.495117, 0.632324, -0.424072, -0.007118,
+    -0.37793, 2.087891, -0.809082, -1.164062, -0.290771, -0.671875,
+    0.609375, 1.522461, 0.605957, -1.233398, -1.173828, 1.883789,
+    -0.60498, -0.11084, -0.109558, 0.692871, 0.611816, 0.351562,
+    -0.812988, -0.86377, 2.091797, 0.673828, 0.402832, -0.072205,
+    0.08197, 1.250977, 0.421631, -1.37793, 0.218994, -0.066711,
+    -0.540039, -0.056427, 1.293945, -0.171753, 0.670898, -0.724121,
+]
+
+
+def test_entmax_solve_bisects_when_halley_cycles():
+    """A step that does not shrink below half the one before the last is a
+    bisection (as in the reference solver): the solve finds tau of the
+    fuzz suite's row, whose near-boundary token then stays in the support,
+    on the dense pass and through the finish kernel alike."""
+    alpha, scale = 3.790645918954886, 0.505704248822797
+    k = torch.tensor(_CYCLE_KEYS, dtype=torch.float16).view(34, 1, 3)
+    v = torch.randn(34, 1, 3, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    cache = PagedKVCache(20, 3, 1, 3, max_seqs=1, max_pages_per_seq=20, dtype=torch.float16, device=DEV)
+    slot = cache.allocate()
+    cache.prefill(slot, k.to(DEV), v.to(DEV))
+    ids = torch.tensor([slot], dtype=torch.int32, device=DEV)
+    q = torch.tensor([[[-0.55224609375, 0.337890625, -0.08660888671875]]], dtype=torch.float16, device=DEV)
+    full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=scale)
+    ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=scale)
+    x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, full, scale=scale)[0].flatten()
+    assert 0 < float(x.sort(descending=True).values[2] - rtau.flatten()[0]) < 0.01  # (the near-boundary token)
+    for finish in (True, False):
+        out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale,
+                                  config=KernelConfig(attention=AttentionConfig(finish=finish)))
+        assert (tau.double() - rtau).abs().max() < 1e-5
+        assert rel_err(out, ref) < TOL[torch.float16]

@@ -269,6 +269,13 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, am1, am
                 t0 = t_init - am1 * m
                 start = tl.where(t0 == t0, tl.minimum(tl.maximum(t0, lo), hi), lo)  # NaN -> lo
         tau = start
+        # the last two steps' sizes: a step that does not shrink below half the
+        # one before the last becomes a bisection (Numerical Recipes' rtsafe
+        # rule). Near a token that barely enters the support f has an infinite
+        # slope for alpha > 2, and Halley can cycle between the two sides of
+        # the root inside the bracket without narrowing it.
+        dx = hi - lo
+        dx_old = dx
         for _ in range(HALLEY):
             s0, s1, s2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, am1, beta, am1_lo, CAP, NS_P2, BLOCK_K,
                                          BETA_KIND, 2, IN_REGS, FUSED, FORM)
@@ -292,8 +299,11 @@ def _solve_tau(p_x, n_s, max_n, b_xr, lb, m, total, t_init, alpha, beta, am1, am
                 L = tl.minimum(tl.maximum(L, -1.0), 1.0)
                 cand = tau + newton / (1.0 - 0.5 * L)
                 ok = d1 != 0
-            ok = ok & (cand >= lo) & (cand <= hi)
-            tau = tl.where(ok, cand, 0.5 * (lo + hi))
+            ok = ok & (cand >= lo) & (cand <= hi) & (tl.abs(cand - tau) <= 0.5 * dx_old)
+            nxt = tl.where(ok, cand, 0.5 * (lo + hi))
+            dx_old = dx
+            dx = tl.abs(nxt - tau)
+            tau = nxt
         for _ in range(POLISH):
             s0, s1, s2, _mn, _mx = _sums(p_x, n_s, max_n, b_xr, tau, m, am1, beta, am1_lo, CAP, NS_P2, BLOCK_K,
                                          BETA_KIND, 2, IN_REGS, FUSED, FORM)
