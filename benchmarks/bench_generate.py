@@ -31,6 +31,11 @@ CPU dry run).
     python -m benchmarks.bench_generate --out benchmarks/results
     python -m benchmarks.bench_generate --suite llama8b --lengths 32768 --batches 1
     python -m benchmarks.bench_generate --suite tiny --device cpu --lengths 64 --steps 3 --warmup 1   # dry run
+
+``--variant LABEL:ITEM[;ITEM]`` times every paged method a second time
+under the base config plus the ITEMs (``[STAGE.]FIELD=VALUE``), on the same
+prefilled cache, as rows named ``METHOD@LABEL``: an A/B of a kernel option
+without a second prefill.
 """
 from __future__ import annotations
 
@@ -286,7 +291,7 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
     rows = []
     paged_methods = [m for m in methods if m != "sdpa_static"]
     if paged_methods:
-        total = n + len(paged_methods) * (args.warmup + args.steps + args.profile + 2)
+        total = n + len(paged_methods) * len(args.variants) * (args.warmup + args.steps + args.profile + 2)
         cache = paged_cache(model, B, total, args.page_size)
         seqs = [cache.allocate() for _ in range(B)]
         with alpha_as(model, args.prefill_alpha):
@@ -294,9 +299,10 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
             prefill_s, logits = clock.wall(lambda: model.prefill_paged(prompt, cache, seqs,
                                                                        chunk_tokens=args.prefill_chunk))
         tok = logits.argmax(-1)
-        for name in paged_methods:
+        for name, label, kcfg in [(m, lab, c) for m in paged_methods for lab, c in args.variants]:
             alpha, policy = METHODS[name]
-            row = {"model": suite, "batch": B, "n": n, "method": name, "dtype": str(cache.dtype).split(".")[-1],
+            row = {"model": suite, "batch": B, "n": n, "method": name + (f"@{label}" if label else ""),
+                   "dtype": str(cache.dtype).split(".")[-1],
                    "prefill_s": prefill_s,
                    "prefill_alpha": args.prefill_alpha if args.prefill_alpha is not None else cfg.attn_alpha}
             try:
@@ -307,7 +313,7 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
                         row["sketch_fit_s"] = time.perf_counter() - t0
                     run = ModelStep(model, with_sketch if name == "certified_sketch" else cache, policy,
                                     cuda_graph=not args.no_cuda_graph, fused=False if args.no_fused else None,
-                                    kernel_config=args.kernel_config)
+                                    kernel_config=kcfg)
                     for _ in range(args.warmup):
                         tok = run.step(tok, seqs).argmax(-1)
                     ts, out = [], {}
@@ -413,6 +419,9 @@ def main(argv=None):
                     help="also record each method's costliest kernels over STEPS profiled steps (CUDA)")
     ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
                     help="a KernelConfig field of the attention kernels, e.g. attention.finish_prune=True (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:ITEM[;ITEM]",
+                    help="also time every paged method with these --config items added, as METHOD@LABEL "
+                         "(repeatable), e.g. gqa:topk.keys_gqa=True")
     ap.add_argument("--checkpoint", default="checkpoints/entmax", help="the twin checkpoint")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="folder for bench_generate.json and .png")
@@ -420,6 +429,12 @@ def main(argv=None):
     if args.steps < 1 or args.warmup < 1 or args.profile < 0:
         ap.error("--steps and --warmup must be >= 1 and --profile >= 0")
     args.kernel_config = kernel_config(args.config)  # parsed (and checked) once
+    args.variants = [("", args.kernel_config)]
+    for text in args.variant:
+        label, sep, items = text.partition(":")
+        if not sep or not label or not items or "@" in label:
+            ap.error(f"argument --variant: expected LABEL:ITEM[;ITEM], got {text!r}")
+        args.variants.append((label, kernel_config(args.config + items.split(";"))))
     device = torch.device(args.device)
     clock = Clock(device)
     rows, t0 = [], time.time()
@@ -443,6 +458,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta = run_meta("benchmarks.bench_generate", argv, device, bandwidth=args.bandwidth, kernel_config=args.config,
+                    variants=args.variant,
                     seconds=round(time.time() - t0, 1))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -210,6 +210,31 @@ def test_refusals():
         H.EntmaxKVCache("llama")
 
 
+def test_bad_states_change_nothing():
+    """A key/value of the wrong shape is refused before the cache takes rows
+    or pages: the cache stays as it was, and generates as before."""
+    model = _model("llama", seed=4)
+    cache = H.EntmaxKVCache(model, policy=TopK(8), page_size=4, max_len=64)
+    ids, mask = _prompt(seed=5, batch=2, pad=(0, 3))
+    want, _ = _generate(model, "entmaxkv", ids, mask, cache)
+    cache.reset()
+    layer = cache.layers[0]
+    free, paged = cache.paged.free_pages, cache.paged
+    hd = model.config.head_dim
+    kv = model.config.num_key_value_heads
+    good = torch.zeros(2, kv, 1, hd)
+    for k, v, arg in ((torch.zeros(2, kv + 1, 1, hd), torch.zeros(2, kv + 1, 1, hd), "key_states"),
+                      (torch.zeros(2, kv, 1, hd + 1), torch.zeros(2, kv, 1, hd + 1), "key_states"),
+                      (torch.zeros(kv, 1, hd), torch.zeros(kv, 1, hd), "key_states"),
+                      (good, torch.zeros(2, kv, 2, hd), "value_states")):
+        with pytest.raises(ValueError, match=arg):
+            layer.update(k, v, 0)
+        assert cache.slots is None and cache.paged is paged and cache.paged.free_pages == free
+        assert layer.get_seq_length() == 0
+    got, _ = _generate(model, "entmaxkv", ids, mask, cache)
+    assert torch.equal(got, want)
+
+
 # ------------------------------------------------------------------ the twins as transformers models
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):

@@ -179,6 +179,13 @@ class EntmaxKVCache(Cache):
     def _bind(self, key_states: torch.Tensor, value_states: torch.Tensor, index: int) -> None:
         """Build the paged cache at the first update (batch size, dtype,
         device known then), or take rows in it again after a ``reset``."""
+        # checked before anything is taken, so that a refused call changes nothing
+        if key_states.dim() != 4 or key_states.shape[1] != self.kv_heads or key_states.shape[-1] != self.head_dim:
+            raise ValueError(f"key_states: expected [batch, {self.kv_heads}, tokens, {self.head_dim}] (the "
+                             f"config's heads), got {tuple(key_states.shape)}")
+        if value_states.shape != key_states.shape:
+            raise ValueError(f"value_states: expected the shape of key_states {tuple(key_states.shape)}, "
+                             f"got {tuple(value_states.shape)}")
         B = key_states.shape[0]
         if self._slots is None:
             dtype = self.dtype or key_states.dtype
@@ -194,9 +201,6 @@ class EntmaxKVCache(Cache):
             self._slots = [self._paged.allocate() for _ in range(B)]
         elif B != len(self._slots):
             _refuse(f"a batch of {B} rows after {len(self._slots)} (the batch changed between steps)")
-        if key_states.shape[1] != self.kv_heads or key_states.shape[-1] != self.head_dim:
-            raise ValueError(f"key_states: expected [batch, {self.kv_heads}, tokens, {self.head_dim}] (the "
-                             f"config's heads), got {tuple(key_states.shape)}")
 
     def decoder(self, scale: float, slopes: Optional[torch.Tensor] = None) -> Decoder:
         """The planned decoder of this cache (made on first use; ``slopes``:
