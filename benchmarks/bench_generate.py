@@ -299,6 +299,9 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
             prefill_s, logits = clock.wall(lambda: model.prefill_paged(prompt, cache, seqs,
                                                                        chunk_tokens=args.prefill_chunk))
         tok = logits.argmax(-1)
+        # profiled after every method is timed: timings taken after a
+        # torch.profiler session in the same process come out slower
+        profiles = []
         for name, label, kcfg in [(m, lab, c) for m in paged_methods for lab, c in args.variants]:
             alpha, policy = METHODS[name]
             row = {"model": suite, "batch": B, "n": n, "method": name + (f"@{label}" if label else ""),
@@ -324,7 +327,7 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
                         ts.append(clock.time(call))
                         tok = out["logits"].argmax(-1)
                     if args.profile and device.type == "cuda":
-                        row["kernels_us"] = kernel_profile(lambda run=run, tok=tok: run.step(tok, seqs), args.profile)
+                        profiles.append((row, run, tok))
                     _, stats = run.step(tok, seqs, return_stats=True)
                     ms = statistics.median(ts)
                     floor_ms = floor_bytes_paged(model, stats, cache, name) / bandwidth * 1e3
@@ -335,7 +338,11 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del cache
+        for row, run, tok in profiles:
+            with alpha_as(model, METHODS[row["method"].split("@")[0]][0]):
+                row["kernels_us"] = kernel_profile(lambda run=run, tok=tok: run.step(tok, seqs), args.profile)
+            print(json.dumps({"method": row["method"], "kernels_us": row["kernels_us"]}), flush=True)
+        del profiles, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "sdpa_static" in methods:

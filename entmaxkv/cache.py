@@ -685,11 +685,14 @@ class PagedKVCache(PageShape):
         fresh = self._free[top - sum(need):][::-1]  # in pop() order
         slots, cells, offset = [], [], 0
         for s, n0, n1, k in zip(ids, lens, new_lens, need):
-            pages = np.asarray(self._pages[s] + fresh[offset:offset + k], dtype=np.int64)
+            # only the pages the new tokens land in: host work per step must
+            # not grow with the sequence
+            first = n0 // P
+            pages = np.asarray(self._pages[s][first:] + fresh[offset:offset + k], dtype=np.int64)
             cells += [(s, len(self._pages[s]) + j, fresh[offset + j]) for j in range(k)]
             offset += k
             pos = np.arange(n0, n1, dtype=np.int64)
-            slots.append(pages[pos // P] * P + pos % P)
+            slots.append(pages[pos // P - first] * P + pos % P)
         parts = [np.concatenate(slots) if slots else np.zeros(0, np.int64)]
         parts += [np.asarray([c[i] for c in cells], dtype=np.int64) for i in range(3)]
         parts += [np.asarray(ids, dtype=np.int64), np.asarray(new_lens, dtype=np.int64)]

@@ -20,10 +20,12 @@ k, v [B, H, T, D]):
   fused Triton kernel, no T x T scores), else ``entmaxkv.prefill``; a
   padding query gets zeros.
 
-Both the cache update and the attention run outside ``torch.compile``
-(``torch.compiler.disable``): they reserve pages and plan on the host. When
-transformers compiles a model's decode step, the layers' other work is
-compiled around them.
+Both the cache update and the attention run outside ``torch.compile``:
+they reserve pages and plan on the host. When transformers compiles a
+model's decode step, they are called through ``torch.compiler.disable``
+and the layers' other work is compiled around them; run eagerly, they are
+called directly (the disable wrapper's host cost is paid on every layer of
+every token otherwise).
 """
 from __future__ import annotations
 
@@ -51,7 +53,6 @@ def entmaxkv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     return pad[:, None, :, None]
 
 
-@torch.compiler.disable
 def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                        scaling: Optional[float] = None, dropout: float = 0.0, **kwargs):
     """transformers' attention interface for "entmaxkv" (see the module docstring).
@@ -59,6 +60,13 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     tokens' positions (the twins' NAPE heads; stock models pass none).
 
     Returns (output [B, T, HQ, D] in q's dtype, None)."""
+    if torch.compiler.is_compiling():
+        return _outside_compile(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """``entmaxkv_attention``'s work (host planning included)."""
     tag = getattr(key, "_entmaxkv", None)
     if tag is None:
         raise ValueError("past_key_values: the 'entmaxkv' attention needs an entmaxkv.hf.EntmaxKVCache "
@@ -90,6 +98,9 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         v_real = value.transpose(1, 2)[real]
         paged.write(k_real, v_real, cache._slot_mapping, layer=layer, backend=cache.backend)
         return _dense(query, real, paged, cache, layer, scale, slopes, cache.prefill_scores), None
+
+
+_outside_compile = torch.compiler.disable(_attention)
 
 
 def _dense(query, real, paged, cache, layer: int, scale: float, slopes, budget: int) -> torch.Tensor:

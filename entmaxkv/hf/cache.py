@@ -39,7 +39,7 @@ class _Layer(CacheLayerMixin):
     """One model layer's view: counts the positions transformers has seen.
     Compileable when its cache is: transformers' compiled decode step then
     calls ``update`` and the "entmaxkv" attention outside the compiled graph
-    (both are ``torch.compiler.disable``d), and nothing in the step is sized
+    (through ``torch.compiler.disable``), and nothing in the step is sized
     by the cache (the mask's shape does not grow with it)."""
 
     is_sliding = False
@@ -53,12 +53,22 @@ class _Layer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
-    @torch.compiler.disable
     def update(self, key_states, value_states, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self._update_outside(key_states, value_states)
+        return self._update(key_states, value_states)
+
+    def _update(self, key_states, value_states):
+        """Take the batch's rows at the first update; tag k and v with this
+        layer for the attention function."""
         self.owner._bind(key_states, value_states, self.index)
         key_states._entmaxkv = value_states._entmaxkv = (self.owner, self.index)
         self.seen += key_states.shape[-2]
         return key_states, value_states
+
+    @torch.compiler.disable
+    def _update_outside(self, key_states, value_states):
+        return self._update(key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.seen

@@ -80,9 +80,7 @@ class LayerSteps:
         if not self.graphs:
             self.paged.write(k, v, self.slots, layer=layer, backend=self.backend)
             return self.decoder.run(q.contiguous(), lay, dense=dense)
-        self.q.copy_(q)
-        self.k.copy_(k)
-        self.v.copy_(v)
+        torch._foreach_copy_((self.q, self.k, self.v), (q, k, v))  # one host call for the three
         if self._graphs.run((layer, dense), lambda: self._body(layer, dense)):
             self.decoder.replayed([lay], dense)
         return self.out[layer]

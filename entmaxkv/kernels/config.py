@@ -114,7 +114,7 @@ class TopKConfig:
     # bound of the group's query heads (then the pre-filter and the row
     # selection apply to GQA as well).
     all_heads: bool = True
-    keys_gqa: bool = False
+    keys_gqa: bool = True
     # _topk_chunk_kernel's warps and largest chunk (pages) when the keys are ready.
     select_warps: int = 4
     select_ch: int = 4096

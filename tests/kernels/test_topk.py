@@ -92,7 +92,7 @@ def test_topk_gqa_keys_pass(policy, dtype, H, G, D, P, slopes, path, launches):
     """GQA with keys_gqa: _topk_keys_kernel ranks each page of a KV head by
     the largest bound of its G query heads (odd G, odd head counts), then
     the pre-filtered chain or _topk_rowsel_kernel; the per-head chunk chain
-    (keys_gqa off, the default) must agree, both equal to the reference."""
+    (keys_gqa off) must agree, both equal to the reference."""
     c = TopKConfig(keys_gqa=path != "chain", rowsel=path == "rowsel", rowsel_min_pages=0)
     cache, ids, q, sl = case([700, 3, 1100], H, G, D, P, dtype, seed=G + 17, slopes=slopes)
     sel = K.select(policy, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl, config=_cfg(c))
