@@ -456,6 +456,29 @@ class PagedKVCache(PageShape):
         self._active[seq] = False
         heapq.heappush(self._free_slots, seq)
 
+    def _drop_unwritten(self, seq: int, length: int) -> None:
+        """Set sequence ``seq`` back to ``length`` tokens when the tokens
+        past them were reserved (``reserve``) but never written, and return
+        their pages to the free list (atomic). The page statistics stay
+        exact because those rows never entered them; the block table's
+        entries past the kept pages are left as they are and never read.
+
+        Raises:
+            ValueError: bad ``seq``, or ``length`` not in 0 .. the sequence's
+                length; nothing is modified.
+        """
+        seq = self._check_seq(seq, "seq")
+        n = self._lens[seq]
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= n:
+            raise ValueError(f"length: expected an int in 0..{n} (the sequence's tokens), got {length!r}")
+        keep = _ceil_div(length, self.page_size)
+        idx = self._index_tensor([seq], torch.int64)
+        self._commit([(self.seq_lens, (idx,), torch.full((1,), length, dtype=torch.int32, device=self.device), None)])
+        surplus = self._pages[seq][keep:]
+        self._free.extend(reversed(surplus))  # (so the next pops hand them out in their old order)
+        del self._pages[seq][keep:]
+        self._lens[seq] = length
+
     def length(self, seq: int) -> int:
         """Number of tokens held by sequence ``seq`` (host mirror, no sync)."""
         return self._lens[self._check_seq(seq, "seq")]

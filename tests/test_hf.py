@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, MistralConfig  # noqa: E402
 
 import entmaxkv.hf as H  # noqa: E402
-from entmaxkv import Certified, Full, TopK  # noqa: E402
+from entmaxkv import CacheFullError, Certified, Full, TopK  # noqa: E402
 from entmaxkv.hf.testing import MODELS, SMALL, generate as _generate, register_dense, tiny_model  # noqa: E402
 
 H.register()
@@ -157,32 +157,99 @@ def test_sampling_matches_eager():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_compiled_decode_equals_eager():
-    """transformers compiles the decode step of an EntmaxKVCache model (a
-    compileable cache; dynamo's "eager" backend here, the CPU): the
-    update and the attention run outside the compiled graph, the tokens and
-    scores are the uncompiled generate's, and later tokens reuse the graphs
-    (none is traced per token)."""
+def _compile_config(backend, fullgraph=True):
     from transformers import CompileConfig
+
+    cfg = CompileConfig(backend=backend, mode=None, fullgraph=fullgraph)
+    cfg._compile_all_devices = True  # (transformers compiles on the GPU only unless told)
+    return cfg
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_decode_equals_eager(backend):
+    """transformers compiles the decode step of an EntmaxKVCache model (a
+    compileable cache; dynamo's "eager" backend, and "aot_eager", which
+    traces the custom op's fake, on the CPU) with fullgraph=True: each
+    layer's decode is one traced op, no graph break. The tokens and scores
+    are the uncompiled generate's, the compileable cache run uncompiled
+    (armed after the prefill, disarmed by the first eager step) gives them
+    too, and later tokens reuse the graphs (none is traced per token)."""
+    from torch._dynamo.utils import counters
 
     model = _model("qwen2", seed=12)
     ids, mask = _prompt(seed=13, batch=2)
     want, ws = _generate(model, "entmaxkv", ids, mask, H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5,
                                                                         page_size=4, max_len=64), n=10)
-    cfg = CompileConfig(backend="eager", mode=None)
-    cfg._compile_all_devices = True  # (transformers compiles on the GPU only unless told)
     assert not H.EntmaxKVCache(model).is_compileable  # (the default: generate runs the model eagerly)
     cache = H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5, page_size=4, max_len=64, compileable=True)
     assert cache.is_compileable
+    got, gs = _generate(model, "entmaxkv", ids, mask, cache, n=10)  # uncompiled
+    assert torch.equal(got, want) and _rel(gs, ws) < 1e-6
     torch._dynamo.reset()
+    counters.clear()
     graphs = []
     for n in (4, 10):
         cache.reset()
-        got, gs = _generate(model, "entmaxkv", ids, mask, cache, n=n, compile_config=cfg,
+        got, gs = _generate(model, "entmaxkv", ids, mask, cache, n=n, compile_config=_compile_config(backend),
                             disable_compile=False)
         assert torch.equal(got, want[:, :n]) and _rel(gs, ws[:, :n]) < 1e-6
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    assert hasattr(model, "_compiled_call") and 0 < graphs[0] == graphs[1]
+        graphs.append(counters["stats"]["unique_graphs"])
+        lens = cache.paged.seq_lens[torch.tensor(cache.slots)]
+        assert lens.tolist() == [int(r) + n - 1 for r in mask.sum(1)]  # (the device lengths: prompt + decoded)
+    assert hasattr(model, "_compiled_call") and 0 < graphs[0] == graphs[1] and not counters["graph_break"]
+
+
+def test_compiled_decode_padding_rows():
+    """A decode step whose new position is padding for one row (a forward
+    call, compiled with fullgraph=True over an armed cache) writes nothing
+    for that row and gives it zeros from attention, as the eager path does:
+    the logits of that step and of the steps after it are the eager ones,
+    and the device lengths count only real tokens."""
+    model = _model("llama", seed=3)
+    model.set_attn_implementation("entmaxkv")
+    ids, mask = _prompt(seed=5, batch=2, T=13, pad=(0, 4))
+
+    def run(cache, step):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            tok, m, res = out.logits[:, -1].argmax(-1, keepdim=True), mask, []
+            for real in ([1, 0], [1, 1], [0, 1]):
+                m = torch.cat([m, torch.tensor(real)[:, None]], 1)
+                pos = (m.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+                lg = step(input_ids=tok, attention_mask=m, past_key_values=cache, position_ids=pos,
+                          use_cache=True).logits
+                res.append(lg.clone())
+                tok = lg[:, -1].argmax(-1, keepdim=True)
+        return torch.stack(res)
+
+    want = run(H.EntmaxKVCache(model, policy=Full(), alpha=1.5, page_size=4, max_len=64), model.forward)
+    cache = H.EntmaxKVCache(model, policy=Full(), alpha=1.5, page_size=4, max_len=64, compileable=True)
+    torch._dynamo.reset()
+    got = run(cache, torch.compile(model.forward, backend="aot_eager", fullgraph=True))
+    assert cache._armed and _rel(got, want) < 1e-6
+    assert cache.paged.seq_lens[torch.tensor(cache.slots)].tolist() == [13 + 2, 9 + 2]
+    cache._disarm()  # the host takes the device lengths back and frees the pages reserved past them
+    assert [cache.paged.length(s) for s in cache.slots] == [15, 11]
+    assert cache.paged.free_pages == cache.paged.num_pages - 4 - 3
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_compileable_cache_refuses_past_max_len(compiled):
+    """A compileable cache decodes up to max_len tokens per row and then
+    raises CacheFullError, compiled (the armed step's count) or not (the
+    paged cache's reserve), and serves the next generate after a reset."""
+    model = _model("qwen2", seed=12)
+    ids, mask = _prompt(seed=13, batch=2)  # 21 real tokens in row 0
+    cache = H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5, page_size=4, max_len=24, compileable=True)
+    kw = dict(compile_config=_compile_config("eager", fullgraph=False), disable_compile=not compiled)
+    torch._dynamo.reset()
+    first, _ = _generate(model, "entmaxkv", ids, mask, cache, n=4, **kw)  # 21 + 3 written
+    cache.reset()
+    with pytest.raises(CacheFullError, match="max_len=24|max_pages_per_seq=6"):
+        _generate(model, "entmaxkv", ids, mask, cache, n=5, **kw)
+    cache.reset()
+    again, _ = _generate(model, "entmaxkv", ids, mask, cache, n=4, **kw)
+    assert torch.equal(first, again)
 
 
 def test_refusals():

@@ -20,12 +20,13 @@ k, v [B, H, T, D]):
   fused Triton kernel, no T x T scores), else ``entmaxkv.prefill``; a
   padding query gets zeros.
 
-Both the cache update and the attention run outside ``torch.compile``:
-they reserve pages and plan on the host. When transformers compiles a
-model's decode step, they are called through ``torch.compiler.disable``
-and the layers' other work is compiled around them; run eagerly, they are
-called directly (the disable wrapper's host cost is paid on every layer of
-every token otherwise).
+Eagerly, the cache update and the attention reserve pages and plan on
+the host. When transformers compiles a model's decode step (a compileable
+cache), the decode of an armed cache is one traced custom op per layer
+(``traced.py``, no graph break); anything else (an unarmed cache, more
+than one new token) is called through ``torch.compiler.disable``, a graph
+break. Run eagerly, they are called directly (the disable wrapper's host
+cost would be paid on every layer of every token).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 
 from ..backend import resolve_backend
 from ..prefill import paged_prefill
+from . import traced  # noqa: F401  (registers torch.ops.entmaxkv.hf_decode_layer)
 
 __all__ = ["entmaxkv_attention", "entmaxkv_mask"]
 
@@ -61,6 +63,13 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 
     Returns (output [B, T, HQ, D] in q's dtype, None)."""
     if torch.compiler.is_compiling():
+        tag = getattr(key, "_entmaxkv", None)
+        if tag is not None and tag[0]._armed and query.shape[2] == 1 and not dropout:
+            cache, layer = tag
+            real = attention_mask[:, 0, 0, 0]
+            out = torch.ops.entmaxkv.hf_decode_layer(query[:, :, 0].contiguous(), key[:, :, 0], value[:, :, 0],
+                                                     real, cache._handle, layer)
+            return out[:, None], None
         return _outside_compile(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
@@ -84,6 +93,7 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
     paged = cache.paged
     with torch.no_grad():
         if layer == 0:
+            cache._disarm()  # (the host takes the lengths back from an armed cache first)
             counts = attention_mask[:, 0, :, 0].sum(-1).tolist()  # (host values: the pages are decided on the host)
             cache._slot_mapping = paged.reserve(cache.slots, counts)
             cache._decoding = T == 1 and all(c == 1 for c in counts)
@@ -97,7 +107,10 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
         k_real = key.transpose(1, 2)[real]  # [tokens, H, D], row after row
         v_real = value.transpose(1, 2)[real]
         paged.write(k_real, v_real, cache._slot_mapping, layer=layer, backend=cache.backend)
-        return _dense(query, real, paged, cache, layer, scale, slopes, cache.prefill_scores), None
+        out = _dense(query, real, paged, cache, layer, scale, slopes, cache.prefill_scores)
+        if cache.compileable and layer == cache.num_layers - 1:
+            cache._arm(scale, slopes, query.dtype)  # (the prompt is in: ready for compiled decode steps)
+        return out, None
 
 
 _outside_compile = torch.compiler.disable(_attention)

@@ -7,6 +7,9 @@ the attention function writes the real tokens (never the left padding,
 which only the mask knows) into the paged cache and attends, densely for a
 prompt or a chunk of one, through the planned EntmaxKV decoder for one new
 token per row.
+
+A compileable cache (``compileable=True``) is armed at the end of each
+prefill for a compiled decode step: ``traced.py`` says how.
 """
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .._checks import as_bool, as_choice, as_float, as_int, describe
 from ..backend import BACKENDS
-from ..cache import PagedKVCache
+from ..cache import CacheFullError, PagedKVCache
 from ..limits import check_alpha, effective_alpha
 from ..planner import Decoder
 from ..policies import Full, check_policy
 from .step import LayerSteps
+from .traced import register_cache
 
 __all__ = ["EntmaxKVCache", "Unsupported"]
 
@@ -54,9 +58,30 @@ class _Layer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.owner._armed and key_states.shape[-2] == 1:
+            return self._update_armed(key_states, value_states)
         if torch.compiler.is_compiling():
             return self._update_outside(key_states, value_states)
         return self._update(key_states, value_states)
+
+    def _update_armed(self, key_states, value_states):
+        """``_update`` for one new token per row of an armed cache, traced
+        or not (no host work: the rows and pages were taken when it was
+        armed). Past ``max_len`` it raises CacheFullError (under dynamo's
+        ``fullgraph=True``, an unsupported-exception error caused by it)."""
+        owner = self.owner
+        owner._check_states(key_states, value_states)
+        if key_states.shape[0] != len(owner._slots):
+            _refuse(f"a batch of {key_states.shape[0]} rows after {len(owner._slots)} (the batch changed "
+                    "between steps)")
+        if self.index == 0:
+            if owner._room < 1:
+                raise CacheFullError(f"EntmaxKVCache: a row would exceed max_len={owner.max_len} tokens; "
+                                     "nothing was written")
+            owner._room -= 1
+        key_states._entmaxkv = value_states._entmaxkv = (owner, self.index)
+        self.seen += 1
+        return key_states, value_states
 
     def _update(self, key_states, value_states):
         """Take the batch's rows at the first update; tag k and v with this
@@ -123,10 +148,13 @@ class EntmaxKVCache(Cache):
             launches every kernel from Python.
         compileable: let transformers compile the model's decode step
             (``torch.compile``, on a GPU by default when the cache is
-            compileable): each layer's cache update and attention then run
-            between compiled pieces, two graph breaks per layer. False (the
-            default): ``generate`` runs the model eagerly; the per-layer
-            CUDA graphs remove most of the attention's launch cost either way.
+            compileable). Each prefill then ends by arming the cache for
+            compiled decoding: the pages of every row's remaining
+            ``max_len`` tokens are reserved, and each layer's decode is one
+            custom op (``entmaxkv.hf.traced``) that dynamo traces with no
+            graph break. False (the default): ``generate`` runs the model
+            eagerly; the per-layer CUDA graphs remove most of the
+            attention's launch cost.
 
     ``cache.reset()`` frees the rows and keeps the paged cache and the
     decoder with the layers' CUDA graphs, so one cache serves many
@@ -169,6 +197,12 @@ class EntmaxKVCache(Cache):
         self._steps: Optional[LayerSteps] = None
         self._slopes = None
         self._slots = None
+        # the compiled decode step's state (``_arm``): whether armed, the
+        # rows' slots on the device, decode steps left before a row is full
+        self._armed = False
+        self._rows: Optional[torch.Tensor] = None
+        self._room = 0
+        self._handle = register_cache(self)
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
 
     # ------------------------------------------------------------------ state
@@ -185,17 +219,67 @@ class EntmaxKVCache(Cache):
             for s in self._slots:
                 self._paged.free(s)
         self._slots = None
+        self._armed = False
 
-    def _bind(self, key_states: torch.Tensor, value_states: torch.Tensor, index: int) -> None:
-        """Build the paged cache at the first update (batch size, dtype,
-        device known then), or take rows in it again after a ``reset``."""
-        # checked before anything is taken, so that a refused call changes nothing
+    # ------------------------------------------------- compiled decode steps
+    def _arm(self, scale: float, slopes: Optional[torch.Tensor], q_dtype: torch.dtype) -> None:
+        """After a prefill (host): reserve the pages of every row's
+        remaining ``max_len`` tokens (the host mirror then counts the rows as
+        full, the device lengths stay the true ones), plan the decoder over
+        the rows and size its scratch with one run, so that a compiled
+        decode step does no host work (``traced.hf_decode_layer``)."""
+        paged = self._paged
+        lens = [paged.length(s) for s in self._slots]
+        if min(lens) == 0:
+            return  # (a row with no token cannot decode; such steps take the eager path)
+        dev = paged.device
+        rows = torch.tensor(self._slots, dtype=torch.int64, device=dev)
+        paged.reserve(self._slots, [self.max_len - n for n in lens])
+        paged.seq_lens[rows] = torch.tensor(lens, dtype=torch.int32, device=dev)
+        self._rows, self._room = rows, self.max_len - max(lens)
+        self._armed = True
+        dec = self.decoder(scale, slopes).plan_cache(paged, self._slots)
+        B = len(self._slots)
+        dec.run(torch.zeros(B, self.q_heads, self.head_dim, dtype=q_dtype, device=dev), paged.layer(0), dense=False)
+
+    def _disarm(self) -> None:
+        """Before host-side changes of an armed cache: the host mirror takes
+        the device lengths back (one synchronisation) and the pages reserved
+        past them return to the free list."""
+        if not self._armed:
+            return
+        lens = self._paged.seq_lens[self._rows].tolist()
+        for s, n in zip(self._slots, lens):
+            self._paged._drop_unwritten(s, n)
+        self._armed = False
+
+    def _device_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
+                     layer: int) -> torch.Tensor:
+        """One layer's decode of an armed cache with device state only (the
+        body of ``traced.hf_decode_layer``; shapes there)."""
+        paged, rows, P = self._paged, self._rows, self.page_size
+        if layer == 0:
+            paged.seq_lens[rows] += real.to(torch.int32)
+        pos = paged.seq_lens[rows].long() - 1
+        slot = paged.block_table[rows, torch.div(pos, P, rounding_mode="floor")].long() * P + pos % P
+        slot = torch.where(real, slot, torch.full_like(slot, -1))  # (padding: nothing is written)
+        paged.write(k, v, slot, layer=layer, backend=self.backend)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._decoder.run(q.contiguous(), paged.layer(layer), out, dense=False)
+        return out.masked_fill_(~real[:, None, None], 0)
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dim() != 4 or key_states.shape[1] != self.kv_heads or key_states.shape[-1] != self.head_dim:
             raise ValueError(f"key_states: expected [batch, {self.kv_heads}, tokens, {self.head_dim}] (the "
                              f"config's heads), got {tuple(key_states.shape)}")
         if value_states.shape != key_states.shape:
             raise ValueError(f"value_states: expected the shape of key_states {tuple(key_states.shape)}, "
                              f"got {tuple(value_states.shape)}")
+
+    def _bind(self, key_states: torch.Tensor, value_states: torch.Tensor, index: int) -> None:
+        """Build the paged cache at the first update (batch size, dtype,
+        device known then), or take rows in it again after a ``reset``."""
+        self._check_states(key_states, value_states)  # before anything is taken: a refused call changes nothing
         B = key_states.shape[0]
         if self._slots is None:
             dtype = self.dtype or key_states.dtype

@@ -99,19 +99,26 @@ def test_layer_graphs_equal_direct_launches(policy):
         assert {dense for _, dense in cache._steps.captured()} == {False, True}
 
 
-def test_compiled_decode_equals_uncompiled():
+@pytest.mark.parametrize("policy", [TopK(16), Certified(seed=TopK(16))], ids=["topk", "certified"])
+def test_compiled_decode_equals_uncompiled(policy):
     """On a GPU transformers compiles the decode step of a model with a
-    compileable EntmaxKVCache (inductor, CUDA graphs); the cache's update
-    and the attention run outside the compiled graph. Same tokens and scores (to
-    rounding: inductor fuses the layers' other work) as with
+    compileable EntmaxKVCache (inductor, CUDA graphs, fullgraph: each
+    layer's decode is the traced custom op, no graph break). Same tokens
+    and scores (to rounding: inductor fuses the layers' other work) as with
     ``disable_compile=True``, on a compiling generate and a replaying one."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
     model = tiny_model("llama", 7, torch.float16, "cuda")
     model.config.entmax_alpha = 1.5
     ids, mask = _prompt(8)
-    cache = H.EntmaxKVCache(model, policy=TopK(16), page_size=8, max_len=128, compileable=True)
+    cache = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128, compileable=True)
     want, ws = generate(model, "entmaxkv", ids, mask, cache, n=8)
+    torch._dynamo.reset()
+    counters.clear()
     for _ in range(2):
         cache.reset()
-        got, gs = generate(model, "entmaxkv", ids, mask, cache, n=8, disable_compile=False)
+        got, gs = generate(model, "entmaxkv", ids, mask, cache, n=8, disable_compile=False,
+                           compile_config=CompileConfig(fullgraph=True))
         _agree(got, want, gs, ws, 2e-2)
-    assert hasattr(model, "_compiled_call")
+    assert hasattr(model, "_compiled_call") and not counters["graph_break"]
