@@ -18,8 +18,8 @@ methods' runs alternating):
 prefill seconds = t(1), decode tokens/s = (new - 1) / (t(new) - t(1)). HF's
 own per-token Python work is in both. With ``--compile`` both also run
 transformers' compiled decode step (``*_compiled``: torch.compile of the
-forward, mode "reduce-overhead"; the EntmaxKVCache's update and attention
-run outside the compiled graph, the rest of each layer inside it); the rows
+forward, mode "reduce-overhead"; with a compileable EntmaxKVCache each
+layer's decode is one traced custom op inside the compiled graph); the rows
 without it pass ``disable_compile=True``.
 
 Models: ``llama8b`` (the Llama-3-8B shape, random weights, bf16: 32 layers,
