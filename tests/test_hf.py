@@ -165,7 +165,7 @@ def _compile_config(backend, fullgraph=True):
     return cfg
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_compiled_decode_equals_eager(backend):
     """transformers compiles the decode step of an EntmaxKVCache model (a
     compileable cache; dynamo's "eager" backend, and "aot_eager", which
@@ -332,6 +332,12 @@ def test_twin_from_pretrained_equals_entmaxkv_generate(twins, name, policy):
     assert cache.alpha == (1.5 if name == "entmax" else 1.0)
     got = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache, pad_token_id=0)
     assert got[:, ids.shape[1]:].tolist() == want.tolist()
+    # compiled decode steps (fullgraph, the NAPE heads' ALiBi slopes planned when the cache is armed)
+    compiled = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128, compileable=True)
+    torch._dynamo.reset()
+    got = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=compiled, pad_token_id=0,
+                         compile_config=_compile_config("eager"), disable_compile=False)
+    assert got[:, ids.shape[1]:].tolist() == want.tolist() and hasattr(model, "_compiled_call")
     model.set_attn_implementation("eager")  # the twin's own dense attention, over a DynamicCache
     eager = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert eager[:, ids.shape[1]:].tolist() == want.tolist()
