@@ -41,10 +41,11 @@ def _refuse(what: str) -> None:
 
 class _Layer(CacheLayerMixin):
     """One model layer's view: counts the positions transformers has seen.
-    Compileable when its cache is: transformers' compiled decode step then
-    calls ``update`` and the "entmaxkv" attention outside the compiled graph
-    (through ``torch.compiler.disable``), and nothing in the step is sized
-    by the cache (the mask's shape does not grow with it)."""
+    Compileable when its cache is: in transformers' compiled decode step an
+    armed cache's ``update`` is traced (``_update_armed``) and the attention
+    is the traced custom op (``traced.py``); anything else runs outside the
+    compiled graph (through ``torch.compiler.disable``). Nothing in the step
+    is sized by the cache (the mask's shape does not grow with it)."""
 
     is_sliding = False
 
@@ -261,7 +262,7 @@ class EntmaxKVCache(Cache):
         if layer == 0:
             paged.seq_lens[rows] += real.to(torch.int32)
         pos = paged.seq_lens[rows].long() - 1
-        slot = paged.block_table[rows, torch.div(pos, P, rounding_mode="floor")].long() * P + pos % P
+        slot = paged.block_table[rows, pos // P].long() * P + pos % P
         slot = torch.where(real, slot, torch.full_like(slot, -1))  # (padding: nothing is written)
         paged.write(k, v, slot, layer=layer, backend=self.backend)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
