@@ -5,9 +5,12 @@ transformers cache, ``hf.step.LayerSteps``) runs directly once per key, which
 compiles its kernels and sizes the decoder's workspace, is captured on its
 second run and replayed after that. All graphs share one memory pool. When
 the decoder's workspace is replaced (a step outgrew it), every graph reads
-freed memory: all of them are dropped and warm up again. A graph also reads
-the tensors of the plan it was captured under (``Decoder.plan_key``): under
-another plan it is captured again.
+freed memory: all of them are dropped and warm up again. Whoever replaced
+the workspace (a direct run elsewhere, a step with statistics), a graph
+captured under another ``Decoder.workspace_version`` is captured again
+before it would replay. A graph also reads the tensors of the plan it was
+captured under (``Decoder.plan_key``): under another plan it is captured
+again.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ class StepGraphs:
         self.decoder = decoder
         self._graphs: Dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._warm: Dict[Hashable, int] = {}
-        self._plans: Dict[Hashable, tuple] = {}  # the plan key each graph was captured under
+        self._plans: Dict[Hashable, tuple] = {}  # (plan key, workspace version) each graph was captured under
         self._pool = None
 
     def run(self, key: Hashable, body: Callable[[], None]) -> bool:
@@ -34,8 +37,8 @@ class StepGraphs:
         replayed (the caller then does the host bookkeeping a direct run
         does, e.g. ``Decoder.replayed``)."""
         graph = self._graphs.get(key)
-        if graph is not None and self._plans[key] != self.decoder.plan_key:
-            del self._graphs[key]  # its plan's tensors moved: capture again
+        if graph is not None and self._plans[key] != self._reads():
+            del self._graphs[key]  # its plan's tensors or the workspace moved: capture again
             graph = None
         if graph is None and self._warm.get(key, 0) >= 1:
             graph = self._capture(key, body)
@@ -58,8 +61,12 @@ class StepGraphs:
             self.clear()
             return None
         self._graphs[key] = graph
-        self._plans[key] = self.decoder.plan_key
+        self._plans[key] = self._reads()
         return graph
+
+    def _reads(self) -> tuple:
+        """What a graph captured now reads of the decoder: its plan and its workspace."""
+        return self.decoder.plan_key, self.decoder.workspace_version
 
     def clear(self) -> None:
         """Drop every graph (each key warms up again)."""

@@ -296,6 +296,13 @@ class Decoder:
         a graph captured before then reads freed memory and must be dropped)."""
         return self._ws.grew
 
+    @property
+    def workspace_version(self) -> int:
+        """How many times the scratch arena was replaced: a graph captured
+        under another version reads freed memory, whoever grew the arena
+        since (another caller's direct run, a step with statistics)."""
+        return self._ws.version
+
     def dense_now(self, layers: Sequence) -> bool:
         """Whether the next step of these layers (their ``run`` objects)
         should run the dense pass: the certified cost check decided for a

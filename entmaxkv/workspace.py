@@ -11,7 +11,8 @@ reuse PyTorch's caching allocator makes between eager calls).
 
 Sizing: a step that asks for more than the buffer holds gets the rest from
 ``torch.empty`` and records how much it needed; ``end`` then grows the
-buffer to that high-water mark (``grew`` says so), and later steps fit.
+buffer to that high-water mark (``grew`` says so; ``version`` counts the
+buffers), and later steps fit.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Workspace:
         self._need = 0  # bytes the current step asked for
         self._high = 0  # the most any step asked for
         self.grew = False
+        self.version = 0  # buffers replaced so far: a graph captured under another version reads freed memory
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +75,7 @@ class Workspace:
         self.grew = self._high > self._buf.numel()
         if self.grew:
             self._buf = torch.empty(self._high, dtype=torch.uint8, device=self.device)
+            self.version += 1
         return self.grew
 
     def empty(self, shape: Union[int, Sequence[int]], dtype: torch.dtype, device=None) -> torch.Tensor:

@@ -172,9 +172,12 @@ def test_workspace_sized_once():
     dec.plan_cache(cache, ids).run(q, cache.layer())
     size = dec._ws.nbytes
     assert size > 0
+    assert dec.workspace_version == 1
     for _ in range(2):
         dec.plan_cache(cache, ids).run(q, cache.layer())
-        assert dec._ws.nbytes == size and not dec._ws.grew
+        assert dec._ws.nbytes == size and not dec._ws.grew and dec.workspace_version == 1
+    dec.plan_cache(cache, ids).run(q, cache.layer(), return_stats=True)  # (bounds: more scratch)
+    assert dec._ws.nbytes > size and dec.workspace_version == 2
 
 
 def test_plan_and_run_validation():

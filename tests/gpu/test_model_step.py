@@ -114,6 +114,35 @@ def test_graphs_follow_the_plan_across_batch_sizes():
     assert runs[0].graphs() == [(1, False), (3, False)]
 
 
+def test_graphs_follow_the_workspace_after_a_step_with_statistics():
+    """A step with statistics runs eagerly and asks the decoder's scratch
+    for more (the bounds it reports), which replaces the arena the graph
+    was captured over. The graph is captured again rather than replayed
+    over freed memory: every step's logits equal eager steps' on a copy of
+    the cache, before and after."""
+    m = model("entmax", "nape", torch.bfloat16)
+    cfg = m.cfg
+    runs = []
+    for graph in (True, False):
+        cache = PagedKVCache(400, 16, cfg.n_kv_heads, cfg.head_dim, max_seqs=2, max_pages_per_seq=120,
+                             dtype=torch.bfloat16, device="cuda", num_layers=cfg.n_layers)
+        seqs = [cache.allocate() for _ in range(2)]
+        m.prefill_paged(torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(3)).cuda(),
+                        cache, seqs)
+        runs.append(ModelStep(m, cache, Full(), cuda_graph=graph))
+    tok = torch.full((2,), 5, dtype=torch.long, device="cuda")
+    versions = []
+    for stats in (False, False, False, True, False, False):
+        versions.append(runs[0].decoder.workspace_version)
+        if stats:
+            (got, _), (want, _) = (run.step(tok, seqs, return_stats=True) for run in runs)
+        else:
+            got, want = (run.step(tok, seqs).clone() for run in runs)
+        assert rel_err(got.float(), want.float()) < 1e-6
+    assert versions[4] > versions[3]  # the statistics step replaced the arena
+    assert runs[0].graphs() == [(2, False)]
+
+
 @pytest.mark.parametrize("kind", ["nape-entmax", "rope-softmax", "nape-softmax"])
 def test_gpu_prefill_equals_reference(kind):
     positions, attention = kind.split("-")
