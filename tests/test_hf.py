@@ -199,6 +199,40 @@ def test_compiled_decode_equals_eager(backend):
     assert hasattr(model, "_compiled_call") and 0 < graphs[0] == graphs[1] and not counters["graph_break"]
 
 
+def test_compiled_decode_follows_moved_tensors():
+    """A compiled step's CUDA graphs replay the addresses they were
+    captured with, and the decode op is opaque to them. From one generate
+    to the next (reset, prefill, arm) every address the op reads stays, so
+    the layout keeps its name and nothing is traced again. A larger batch
+    builds a new paged cache: the layout is renamed, the step is traced
+    again, and the tokens are the uncompiled ones, also back at the first
+    batch size. The op called under a stale layout raises."""
+    from torch._dynamo.utils import counters
+
+    model = _model("qwen2", seed=12)
+    prompts = {2: _prompt(seed=13, batch=2), 3: _prompt(seed=14, batch=3)}
+    want = {b: _generate(model, "entmaxkv", ids, mask, H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5,
+                                                                        page_size=4, max_len=64), n=6)[0]
+            for b, (ids, mask) in prompts.items()}
+    cache = H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5, page_size=4, max_len=64, compileable=True)
+    torch._dynamo.reset()
+    counters.clear()
+    kw = dict(compile_config=_compile_config("eager"), disable_compile=False)
+    seen = []
+    for b in (2, 2, 3, 2):
+        cache.reset()
+        got, _ = _generate(model, "entmaxkv", *prompts[b], cache, n=6, **kw)
+        assert torch.equal(got, want[b])
+        seen.append((cache._layout, cache._rows.data_ptr(), counters["stats"]["unique_graphs"]))
+    assert seen[1] == seen[0]  # same addresses, same name, no new trace
+    assert seen[2][0] != seen[1][0] and seen[2][2] > seen[1][2]  # a new paged cache: renamed, traced again
+    assert seen[3][0] not in (seen[0][0], seen[2][0])
+    q = torch.zeros(2, cache.q_heads, cache.head_dim)
+    k = torch.zeros(2, cache.kv_heads, cache.head_dim)
+    with pytest.raises(ValueError, match="layout"):
+        torch.ops.entmaxkv.hf_decode_layer(q, k, k, torch.ones(2, dtype=torch.bool), cache._handle, 0, seen[0][0])
+
+
 def test_compiled_decode_padding_rows():
     """A decode step whose new position is padding for one row (a forward
     call, compiled with fullgraph=True over an armed cache) writes nothing

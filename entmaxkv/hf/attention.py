@@ -68,7 +68,7 @@ def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             cache, layer = tag
             real = attention_mask[:, 0, 0, 0]
             out = torch.ops.entmaxkv.hf_decode_layer(query[:, :, 0].contiguous(), key[:, :, 0], value[:, :, 0],
-                                                     real, cache._handle, layer)
+                                                     real, cache._handle, layer, cache._layout)
             return out[:, None], None
         return _outside_compile(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)

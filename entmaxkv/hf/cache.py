@@ -199,10 +199,16 @@ class EntmaxKVCache(Cache):
         self._slopes = None
         self._slots = None
         # the compiled decode step's state (``_arm``): whether armed, the
-        # rows' slots on the device, decode steps left before a row is full
+        # rows' slots on the device (a view of one buffer per paged cache:
+        # a compiled step's CUDA graph keeps the address it was captured
+        # with), decode steps left before a row is full, and the name of
+        # what the op's launches read (``_layout``)
         self._armed = False
+        self._rows_buf: Optional[torch.Tensor] = None
         self._rows: Optional[torch.Tensor] = None
         self._room = 0
+        self._reads: Optional[tuple] = None
+        self._layout = "0"
         self._handle = register_cache(self)
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
 
@@ -233,15 +239,29 @@ class EntmaxKVCache(Cache):
         lens = [paged.length(s) for s in self._slots]
         if min(lens) == 0:
             return  # (a row with no token cannot decode; such steps take the eager path)
-        dev = paged.device
-        rows = torch.tensor(self._slots, dtype=torch.int64, device=dev)
+        dev, B = paged.device, len(self._slots)
+        if self._rows_buf is None or self._rows_buf.device != dev or self._rows_buf.shape[0] < paged.max_seqs:
+            self._rows_buf = torch.zeros(paged.max_seqs, dtype=torch.int64, device=dev)
+        rows = self._rows_buf[:B]
+        rows.copy_(torch.tensor(self._slots, dtype=torch.int64))
         paged.reserve(self._slots, [self.max_len - n for n in lens])
         paged.seq_lens[rows] = torch.tensor(lens, dtype=torch.int32, device=dev)
         self._rows, self._room = rows, self.max_len - max(lens)
         self._armed = True
         dec = self.decoder(scale, slopes).plan_cache(paged, self._slots)
-        B = len(self._slots)
         dec.run(torch.zeros(B, self.q_heads, self.head_dim, dtype=q_dtype, device=dev), paged.layer(0), dense=False)
+        # Every address the op's launches read. A compiled step's CUDA graph
+        # replays the addresses it was captured with, and the op is opaque
+        # to it: when one of them moved (a new paged cache for a larger
+        # batch or another dtype, a new decoder, a grown scratch arena), the
+        # layout gets a new name, which the attention passes to the op as a
+        # string, so dynamo's guards fail and the step is compiled (and
+        # captured) again rather than replayed.
+        reads = (paged.block_table.data_ptr(), paged.seq_lens.data_ptr(), paged.layer(0).k_pages.data_ptr(),
+                 rows.data_ptr(), id(dec), dec.plan_key, dec.workspace_version)
+        if reads != self._reads:
+            self._reads = reads
+            self._layout = str(int(self._layout) + 1)
 
     def _disarm(self) -> None:
         """Before host-side changes of an armed cache: the host mirror takes

@@ -20,6 +20,10 @@ written there (a padding row's slot is -1: nothing is written); the
 planned attention runs; a padding row's output is zeros. The op has a fake
 implementation, so dynamo traces the whole step with no graph break, and
 its launches are graph-safe, so the compiled step's CUDA graphs hold them.
+Those graphs replay the addresses they were captured with, so the op's
+arguments name the layout the step was traced for (``layout``, a string:
+dynamo guards on its value); when the cache's tensors or the decoder's
+scratch move, the layout's name changes and the step is traced again.
 
 The op reaches the cache's tensors through a handle (the cache's state is
 not a graph input: the compiled graph must not copy the cache's pages into
@@ -58,19 +62,26 @@ def _cache(handle: int):
 
 @torch.library.custom_op("entmaxkv::hf_decode_layer", mutates_args=())
 def hf_decode_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, handle: int,
-                    layer: int) -> torch.Tensor:
+                    layer: int, layout: str) -> torch.Tensor:
     """One layer's decode of an armed compileable EntmaxKVCache.
 
     Args:
         q: [B, HQ, D]; k, v: [B, H, D], the new token of each row.
         real: bool [B]: whether a row's new token is a real one (not padding).
         handle: the cache's ``register_cache`` handle; layer: its index.
+        layout: the name of the cache's tensors and scratch as armed
+            (``EntmaxKVCache._layout``): a traced call made under another
+            layout would launch on moved tensors, and is refused.
     Returns:
         [B, HQ, D] in q's dtype (zeros for padding rows).
     """
-    return _cache(handle)._device_step(q, k, v, real, layer)
+    cache = _cache(handle)
+    if layout != cache._layout:
+        raise ValueError(f"layout: this step was traced for layout {layout!r} of the cache's tensors, which "
+                         f"moved since (now {cache._layout!r}); trace the step again")
+    return cache._device_step(q, k, v, real, layer)
 
 
 @hf_decode_layer.register_fake
-def _hf_decode_layer_fake(q, k, v, real, handle, layer):
+def _hf_decode_layer_fake(q, k, v, real, handle, layer, layout):
     return torch.empty_like(q)

@@ -105,20 +105,27 @@ def test_compiled_decode_equals_uncompiled(policy):
     compileable EntmaxKVCache (inductor, CUDA graphs, fullgraph: each
     layer's decode is the traced custom op, no graph break). Same tokens
     and scores (to rounding: inductor fuses the layers' other work) as with
-    ``disable_compile=True``, on a compiling generate and a replaying one."""
+    ``disable_compile=True``: on a compiling generate and replaying ones,
+    with other allocations in between (the graphs must not read freed
+    memory), after a larger batch moved the cache's tensors and back at
+    the first batch size (the first graphs must not be replayed then)."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model = tiny_model("llama", 7, torch.float16, "cuda")
     model.config.entmax_alpha = 1.5
     ids, mask = _prompt(8)
+    prompts = {2: (ids[:2], mask[:2]), 3: (ids, mask)}
+    want = {b: generate(model, "entmaxkv", i, m, H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128),
+                        n=8) for b, (i, m) in prompts.items()}
     cache = H.EntmaxKVCache(model, policy=policy, page_size=8, max_len=128, compileable=True)
-    want, ws = generate(model, "entmaxkv", ids, mask, cache, n=8)
     torch._dynamo.reset()
     counters.clear()
-    for _ in range(2):
+    held = []
+    for b in (2, 2, 3, 2):
         cache.reset()
-        got, gs = generate(model, "entmaxkv", ids, mask, cache, n=8, disable_compile=False,
+        held.append(torch.ones(1 << 16, device="cuda"))  # (what the allocator frees can be handed out again)
+        got, gs = generate(model, "entmaxkv", *prompts[b], cache, n=8, disable_compile=False,
                            compile_config=CompileConfig(fullgraph=True))
-        _agree(got, want, gs, ws, 2e-2)
+        _agree(got, want[b][0], gs, want[b][1], 2e-2)
     assert hasattr(model, "_compiled_call") and not counters["graph_break"]
