@@ -339,9 +339,13 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
             rows.append(row)
             print(json.dumps(row), flush=True)
         for row, run, tok in profiles:
-            with alpha_as(model, METHODS[row["method"].split("@")[0]][0]):
-                row["kernels_us"] = kernel_profile(lambda run=run, tok=tok: run.step(tok, seqs), args.profile)
-            print(json.dumps({"method": row["method"], "kernels_us": row["kernels_us"]}), flush=True)
+            try:
+                with alpha_as(model, METHODS[row["method"].split("@")[0]][0]):
+                    row["kernels_us"] = kernel_profile(lambda run=run, tok=tok: run.step(tok, seqs), args.profile)
+            except Exception as exc:  # noqa: BLE001 - recorded; the timed rows are kept and written
+                row["profile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps({"method": row["method"], "kernels_us": row.get("kernels_us"),
+                              "profile_error": row.get("profile_error")}), flush=True)
         del profiles, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()

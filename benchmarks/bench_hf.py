@@ -135,9 +135,14 @@ def measure(model, ids, labels, args, device) -> dict:
                 out[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         times = {label: ([], []) for label in makes}
         for _ in range(args.reps):
-            for label, make in makes.items():
-                times[label][0].append(timed(lambda: make(1), device))
-                times[label][1].append(timed(lambda: make(args.new), device))
+            for label, make in list(makes.items()):
+                try:
+                    times[label][0].append(timed(lambda: make(1), device))
+                    times[label][1].append(timed(lambda: make(args.new), device))
+                except Exception as exc:  # noqa: BLE001 - recorded; the other methods' times are kept
+                    makes.pop(label)
+                    times.pop(label)
+                    out[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     for label, (t1s, tns) in times.items():
         t1, tn = statistics.median(t1s), statistics.median(tns)
         out[label] = {"prefill_s": t1, "decode_tokens_per_s": (args.new - 1) / max(tn - t1, 1e-9),
