@@ -92,21 +92,28 @@ def test_replays_capture_once_and_allocate_nothing():
     assert run.graphs() == [(2, False)]
 
 
+def _graph_and_eager(policy, rows: int, seed: int):
+    """Two ModelSteps of the bfloat16 NAPE entmax model with ``policy``, on
+    two caches prefilled alike (rows 0 .. rows-1, 300 tokens each): with
+    CUDA graphs, and eager."""
+    m = model("entmax", "nape", torch.bfloat16)
+    cfg = m.cfg
+    prompt = torch.randint(0, 512, (rows, 300), generator=torch.Generator().manual_seed(seed)).cuda()
+    runs = []
+    for graph in (True, False):
+        cache = PagedKVCache(400, 16, cfg.n_kv_heads, cfg.head_dim, max_seqs=rows, max_pages_per_seq=120,
+                             dtype=torch.bfloat16, device="cuda", num_layers=cfg.n_layers)
+        m.prefill_paged(prompt, cache, [cache.allocate() for _ in range(rows)])
+        runs.append(ModelStep(m, cache, policy, cuda_graph=graph))
+    return runs
+
+
 def test_graphs_follow_the_plan_across_batch_sizes():
     """A batch of 1, then 3 (the decoder's row-id buffer grows, so the graph
     of the batch of 1 reads a freed buffer), then 1 again: the graph of the
     batch of 1 is captured again under the new plan, and every step's
     logits equal eager steps' on a copy of the cache."""
-    m = model("entmax", "nape", torch.bfloat16)
-    cfg = m.cfg
-    runs = []
-    for graph in (True, False):
-        cache = PagedKVCache(400, 16, cfg.n_kv_heads, cfg.head_dim, max_seqs=3, max_pages_per_seq=120,
-                             dtype=torch.bfloat16, device="cuda", num_layers=cfg.n_layers)
-        seqs = [cache.allocate() for _ in range(3)]
-        m.prefill_paged(torch.randint(0, 512, (3, 300), generator=torch.Generator().manual_seed(2)).cuda(),
-                        cache, seqs)
-        runs.append(ModelStep(m, cache, TopK(64), cuda_graph=graph))
+    runs = _graph_and_eager(TopK(64), rows=3, seed=2)
     for batch in ([0], [0], [0], [0, 1, 2], [0, 1, 2], [0, 1, 2], [0], [0], [0]):
         tok = torch.full((len(batch),), 7, dtype=torch.long, device="cuda")
         got, want = (run.step(tok, batch).clone() for run in runs)
@@ -120,16 +127,8 @@ def test_graphs_follow_the_workspace_after_a_step_with_statistics():
     was captured over. The graph is captured again rather than replayed
     over freed memory: every step's logits equal eager steps' on a copy of
     the cache, before and after."""
-    m = model("entmax", "nape", torch.bfloat16)
-    cfg = m.cfg
-    runs = []
-    for graph in (True, False):
-        cache = PagedKVCache(400, 16, cfg.n_kv_heads, cfg.head_dim, max_seqs=2, max_pages_per_seq=120,
-                             dtype=torch.bfloat16, device="cuda", num_layers=cfg.n_layers)
-        seqs = [cache.allocate() for _ in range(2)]
-        m.prefill_paged(torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(3)).cuda(),
-                        cache, seqs)
-        runs.append(ModelStep(m, cache, Full(), cuda_graph=graph))
+    runs = _graph_and_eager(Full(), rows=2, seed=3)
+    seqs = [0, 1]
     tok = torch.full((2,), 5, dtype=torch.long, device="cuda")
     versions = []
     for stats in (False, False, False, True, False, False):
