@@ -240,8 +240,6 @@ class EntmaxKVCache(Cache):
         if min(lens) == 0:
             return  # (a row with no token cannot decode; such steps take the eager path)
         dev, B = paged.device, len(self._slots)
-        if self._rows_buf is None or self._rows_buf.device != dev or self._rows_buf.shape[0] < paged.max_seqs:
-            self._rows_buf = torch.zeros(paged.max_seqs, dtype=torch.int64, device=dev)
         rows = self._rows_buf[:B]
         rows.copy_(torch.tensor(self._slots, dtype=torch.int64))
         paged.reserve(self._slots, [self.max_len - n for n in lens])
@@ -257,8 +255,9 @@ class EntmaxKVCache(Cache):
         # layout gets a new name, which the attention passes to the op as a
         # string, so dynamo's guards fail and the step is compiled (and
         # captured) again rather than replayed.
-        reads = (paged.block_table.data_ptr(), paged.seq_lens.data_ptr(), paged.layer(0).k_pages.data_ptr(),
-                 rows.data_ptr(), id(dec), dec.plan_key, dec.workspace_version)
+        # (the decoder itself, not its id: held here, its id cannot name a later one)
+        reads = (tuple(t.data_ptr() for t in paged.state_tensors().values()), rows.data_ptr(), dec,
+                 dec.plan_key, dec.workspace_version)
         if reads != self._reads:
             self._reads = reads
             self._layout = str(int(self._layout) + 1)
@@ -313,6 +312,7 @@ class EntmaxKVCache(Cache):
                 self._paged = PagedKVCache(B * per_seq, self.page_size, self.kv_heads, self.head_dim, max_seqs=B,
                                            max_pages_per_seq=per_seq, dtype=dtype, device=device,
                                            num_layers=self.num_layers)
+                self._rows_buf = torch.zeros(B, dtype=torch.int64, device=self._paged.device)
             self._slots = [self._paged.allocate() for _ in range(B)]
         elif B != len(self._slots):
             _refuse(f"a batch of {B} rows after {len(self._slots)} (the batch changed between steps)")
