@@ -233,6 +233,57 @@ def test_compiled_decode_follows_moved_tensors():
         torch.ops.entmaxkv.hf_decode_layer(q, k, k, torch.ones(2, dtype=torch.bool), cache._handle, 0, seen[0][0])
 
 
+def test_compiled_decode_has_no_per_step_numbers():
+    """transformers' compiled generate over an armed cache traces the
+    decode step once, and the traced graph takes no integer input: the
+    count of positions lives on the device while armed, so nothing changes
+    from step to step that CUDA graphs would be recorded again for. The
+    host reads the count back (get_seq_length while armed, and after the
+    cache is disarmed) equal to the positions processed."""
+    model = _model("llama", seed=4)
+    ids, mask = _prompt(seed=6, batch=2, T=15, pad=(0, 5))
+    traced, calls = [], []
+
+    def backend(gm, example_inputs):
+        traced.append([type(x).__name__ for x in example_inputs])
+
+        def run(*args):
+            calls.append(tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args))
+            return gm(*args)
+        return run
+
+    cfg = _compile_config(backend)
+    want, _ = _generate(model, "entmaxkv", ids, mask, H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5, page_size=4,
+                                                                      max_len=64), n=6)
+    cache = H.EntmaxKVCache(model, policy=TopK(8), alpha=1.5, page_size=4, max_len=64, compileable=True)
+    torch._dynamo.reset()
+    got, _ = _generate(model, "entmaxkv", ids, mask, cache, n=6, compile_config=cfg, disable_compile=False)
+    assert torch.equal(got, want)
+    assert len(traced) == 1 and all(t in ("Tensor", "Parameter") for t in traced[0])  # one trace, no numbers
+    assert len(calls) == 5 and len(set(calls)) == 1  # every decode step the same inputs
+    assert cache._armed and cache.get_seq_length() == 15 + 5 == cache.layers[1].get_seq_length()
+    cache._disarm()
+    assert [layer.seen for layer in cache.layers] == [20] * cache.num_layers
+    assert [cache.paged.length(s) for s in cache.slots] == [15 + 5, 10 + 5]
+
+
+def test_mask_reads_the_new_positions_at_the_offset():
+    """The "entmaxkv" mask takes the new positions' flags at the query
+    offset, given as an int or (inside a compiled step) as a device
+    tensor, and counts positions past the given mask as real."""
+    from entmaxkv.hf.attention import entmaxkv_mask
+
+    g = torch.Generator().manual_seed(7)
+    m = torch.randint(0, 2, (3, 11), generator=g)
+    for off, q in ((0, 1), (4, 3), (10, 1), (9, 4), (11, 2), (15, 1)):
+        want = torch.ones(3, q, dtype=torch.bool)
+        have = m[:, off:off + q].bool()
+        want[:, :have.shape[1]] = have
+        for offset in (off, torch.tensor(off)):
+            got = entmaxkv_mask(3, q, 99, q_offset=offset, attention_mask=m)
+            assert got.shape == (3, 1, q, 1) and torch.equal(got[:, 0, :, 0], want), (off, q, type(offset))
+
+
 def test_compiled_decode_padding_rows():
     """A decode step whose new position is padding for one row (a forward
     call, compiled with fullgraph=True over an armed cache) writes nothing

@@ -44,14 +44,23 @@ __all__ = ["entmaxkv_attention", "entmaxkv_mask"]
 def entmaxkv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                   device=None, **kwargs) -> torch.Tensor:
     """transformers' mask interface for "entmaxkv": bool [B, 1, q_length, 1],
-    True where a new position is a real token (``attention_mask`` [B, >=
-    kv_length - q_length]: 1 real, 0 padding; positions past it are real)."""
+    True where a new position is a real token. The new positions are
+    ``q_offset .. q_offset + q_length - 1`` (the cache's count; an int, or
+    an int64 [] device tensor inside a compiled step of an armed cache) of
+    ``attention_mask`` [B, positions] (1 real, 0 padding); positions past
+    its end are real tokens. ``kv_length`` is not read."""
     if attention_mask is None:
         return torch.ones(batch_size, 1, q_length, 1, dtype=torch.bool, device=device)
-    pad = attention_mask.to(torch.bool)[:, kv_length - q_length:kv_length]
-    if pad.shape[-1] < q_length:  # (positions past the given mask are real tokens)
-        extra = torch.ones(pad.shape[0], q_length - pad.shape[-1], dtype=torch.bool, device=pad.device)
-        pad = torch.cat((pad, extra), dim=-1)
+    # (positions past the given mask are real tokens)
+    mask = torch.cat((attention_mask.to(torch.bool),
+                      torch.ones(attention_mask.shape[0], q_length, dtype=torch.bool, device=attention_mask.device)),
+                     dim=-1)
+    if isinstance(q_offset, torch.Tensor):  # (no host value: a gather at the device offset)
+        idx = (q_offset.to(mask.device) + torch.arange(q_length, device=mask.device)).clamp(max=mask.shape[-1] - 1)
+        pad = mask.index_select(-1, idx)
+    else:
+        start = min(int(q_offset), mask.shape[-1] - q_length)
+        pad = mask[:, start:start + q_length]
     return pad[:, None, :, None]
 
 

@@ -45,7 +45,12 @@ class _Layer(CacheLayerMixin):
     armed cache's ``update`` is traced (``_update_armed``) and the attention
     is the traced custom op (``traced.py``); anything else runs outside the
     compiled graph (through ``torch.compiler.disable``). Nothing in the step
-    is sized by the cache (the mask's shape does not grow with it)."""
+    is sized by the cache (the mask's shape does not grow with it), and
+    nothing in it reads or writes a host number that changes from step to
+    step: while armed, the count of positions lives on the device
+    (``EntmaxKVCache._seen_dev``), so dynamo has no per-step integer to make
+    a graph input of (its CUDA graphs would be recorded again for every
+    value)."""
 
     is_sliding = False
 
@@ -59,34 +64,29 @@ class _Layer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.owner._armed and key_states.shape[-2] == 1:
-            return self._update_armed(key_states, value_states)
         if torch.compiler.is_compiling():
+            if self.owner._armed and key_states.shape[-2] == 1:
+                return self._update_armed(key_states, value_states)
             return self._update_outside(key_states, value_states)
         return self._update(key_states, value_states)
 
     def _update_armed(self, key_states, value_states):
-        """``_update`` for one new token per row of an armed cache, traced
-        or not (no host work: the rows and pages were taken when it was
-        armed). Past ``max_len`` it raises CacheFullError (under dynamo's
-        ``fullgraph=True``, an unsupported-exception error caused by it)."""
+        """``_update`` for one new token per row of an armed cache in a
+        compiled step (no host work: the rows and pages were taken when it
+        was armed; the op counts the position on the device)."""
         owner = self.owner
         owner._check_states(key_states, value_states)
         if key_states.shape[0] != len(owner._slots):
             _refuse(f"a batch of {key_states.shape[0]} rows after {len(owner._slots)} (the batch changed "
                     "between steps)")
-        if self.index == 0:
-            if owner._room < 1:
-                raise CacheFullError(f"EntmaxKVCache: a row would exceed max_len={owner.max_len} tokens; "
-                                     "nothing was written")
-            owner._room -= 1
         key_states._entmaxkv = value_states._entmaxkv = (owner, self.index)
-        self.seen += 1
         return key_states, value_states
 
     def _update(self, key_states, value_states):
         """Take the batch's rows at the first update; tag k and v with this
-        layer for the attention function."""
+        layer for the attention function. An armed cache run eagerly is
+        disarmed first (the host takes its counts back)."""
+        self.owner._disarm()
         self.owner._bind(key_states, value_states, self.index)
         key_states._entmaxkv = value_states._entmaxkv = (self.owner, self.index)
         self.seen += key_states.shape[-2]
@@ -96,10 +96,26 @@ class _Layer(CacheLayerMixin):
     def _update_outside(self, key_states, value_states):
         return self._update(key_states, value_states)
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self):
+        """Positions processed (left padding included): an int; while the
+        cache is armed, read from the device (one synchronisation), or,
+        inside a compiled step, the device count itself (int64 [], as
+        transformers' static cache does)."""
+        owner = self.owner
+        if owner._armed:
+            return owner._seen_dev[0] if torch.compiler.is_compiling() else owner._armed_seen()
         return self.seen
 
     def get_mask_sizes(self, query_length: int):
+        """(kv_length, kv_offset) of transformers' mask code. Armed: a bound
+        fixed while armed (the "entmaxkv" mask reads only the new positions,
+        at the query offset); outside a compiled step it first refuses
+        ``query_length`` more positions than the rows have room for."""
+        owner = self.owner
+        if owner._armed:
+            if not torch.compiler.is_compiling():
+                owner._check_room(query_length)
+            return owner._kv_bound + query_length, 0
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
@@ -199,14 +215,18 @@ class EntmaxKVCache(Cache):
         self._slopes = None
         self._slots = None
         # the compiled decode step's state (``_arm``): whether armed, the
-        # rows' slots on the device (a view of one buffer per paged cache:
-        # a compiled step's CUDA graph keeps the address it was captured
-        # with), decode steps left before a row is full, and the name of
-        # what the op's launches read (``_layout``)
+        # rows' slots and the count of positions on the device (one buffer
+        # each per paged cache: a compiled step's CUDA graph keeps the
+        # address it was captured with), the count and the decode steps left
+        # before a row is full when armed, a kv length no armed step reaches,
+        # and the name of what the op's launches read (``_layout``)
         self._armed = False
         self._rows_buf: Optional[torch.Tensor] = None
         self._rows: Optional[torch.Tensor] = None
+        self._seen_dev: Optional[torch.Tensor] = None
+        self._seen_armed = 0
         self._room = 0
+        self._kv_bound = 0
         self._reads: Optional[tuple] = None
         self._layout = "0"
         self._handle = register_cache(self)
@@ -245,6 +265,9 @@ class EntmaxKVCache(Cache):
         paged.reserve(self._slots, [self.max_len - n for n in lens])
         paged.seq_lens[rows] = torch.tensor(lens, dtype=torch.int32, device=dev)
         self._rows, self._room = rows, self.max_len - max(lens)
+        self._seen_armed = self.layers[0].seen
+        self._kv_bound = self._seen_armed + self._room
+        self._seen_dev.fill_(self._seen_armed)
         self._armed = True
         dec = self.decoder(scale, slopes).plan_cache(paged, self._slots)
         dec.run(torch.zeros(B, self.q_heads, self.head_dim, dtype=q_dtype, device=dev), paged.layer(0), dense=False)
@@ -256,7 +279,8 @@ class EntmaxKVCache(Cache):
         # string, so dynamo's guards fail and the step is compiled (and
         # captured) again rather than replayed.
         # (the decoder itself, not its id: held here, its id cannot name a later one)
-        reads = (tuple(t.data_ptr() for t in paged.state_tensors().values()), rows.data_ptr(), dec,
+        reads = (tuple(t.data_ptr() for t in paged.state_tensors().values()), rows.data_ptr(),
+                 self._seen_dev.data_ptr(), dec,
                  dec.plan_key, dec.workspace_version)
         if reads != self._reads:
             self._reads = reads
@@ -268,10 +292,24 @@ class EntmaxKVCache(Cache):
         past them return to the free list."""
         if not self._armed:
             return
-        lens = self._paged.seq_lens[self._rows].tolist()
+        *lens, seen = torch.cat((self._paged.seq_lens[self._rows].long(), self._seen_dev)).tolist()
         for s, n in zip(self._slots, lens):
             self._paged._drop_unwritten(s, n)
+        for layer in self.layers:
+            layer.seen = seen
         self._armed = False
+
+    def _armed_seen(self) -> int:
+        """Positions processed by every layer of an armed cache (host; one
+        synchronisation)."""
+        return int(self._seen_dev[0])
+
+    def _check_room(self, new: int) -> None:
+        """Refuse ``new`` more positions per row of an armed cache past
+        ``max_len`` (host, before the step: nothing is written)."""
+        if self._armed_seen() - self._seen_armed + new > self._room:
+            raise CacheFullError(f"EntmaxKVCache: a row would exceed max_len={self.max_len} tokens; "
+                                 "nothing was written")
 
     def _device_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
                      layer: int) -> torch.Tensor:
@@ -279,7 +317,12 @@ class EntmaxKVCache(Cache):
         body of ``traced.hf_decode_layer``; shapes there)."""
         paged, rows, P = self._paged, self._rows, self.page_size
         if layer == 0:
+            # (a compiled step cannot raise on the host: past max_len it
+            # stops on the device, before anything is changed)
+            torch._assert_async((paged.seq_lens[rows] + real.to(torch.int32) <= self.max_len).all(),
+                                f"EntmaxKVCache: a row would exceed max_len={self.max_len} tokens")
             paged.seq_lens[rows] += real.to(torch.int32)
+            self._seen_dev += 1
         pos = paged.seq_lens[rows].long() - 1
         slot = paged.block_table[rows, pos // P].long() * P + pos % P
         slot = torch.where(real, slot, torch.full_like(slot, -1))  # (padding: nothing is written)
@@ -313,6 +356,7 @@ class EntmaxKVCache(Cache):
                                            max_pages_per_seq=per_seq, dtype=dtype, device=device,
                                            num_layers=self.num_layers)
                 self._rows_buf = torch.zeros(B, dtype=torch.int64, device=self._paged.device)
+                self._seen_dev = torch.zeros(1, dtype=torch.int64, device=self._paged.device)
             self._slots = [self._paged.allocate() for _ in range(B)]
         elif B != len(self._slots):
             _refuse(f"a batch of {B} rows after {len(self._slots)} (the batch changed between steps)")

@@ -14,7 +14,10 @@ each prefill (``EntmaxKVCache._arm``, on the host, uncompiled):
   and run once, so its scratch is sized before any capture.
 
 Each layer's decode is then ``torch.ops.entmaxkv.hf_decode_layer``: at
-layer 0 the device lengths of the real rows grow by one; the new token's
+layer 0 the device lengths of the real rows and the device count of
+positions grow by one (a row past ``max_len`` stops the step with a
+device-side assert first: a compiled step cannot raise on the host; in
+``generate`` the cache refuses on the host before the step); the new token's
 slot comes from the block table on the device; the layer's K/V are
 written there (a padding row's slot is -1: nothing is written); the
 planned attention runs; a padding row's output is zeros. The op has a fake
@@ -27,9 +30,12 @@ scratch move, the layout's name changes and the step is traced again.
 
 The op reaches the cache's tensors through a handle (the cache's state is
 not a graph input: the compiled graph must not copy the cache's pages into
-static buffers before every replay). The host mirror of the lengths is
-brought back from the device before the next host-side change
-(``EntmaxKVCache._disarm``).
+static buffers before every replay). No host number that changes per
+step is read in the traced step (dynamo would make it a graph input, and
+the CUDA graphs would be recorded again for each value): the count of
+positions stays on the device while armed. The host mirror of the
+lengths and that count are brought back from the device before the next
+host-side change (``EntmaxKVCache._disarm``).
 """
 from __future__ import annotations
 
