@@ -10,7 +10,7 @@ the workspace (a direct run elsewhere, a step with statistics), a graph
 captured under another ``Decoder.workspace_version`` is captured again
 before it would replay. A graph also reads the tensors of the plan it was
 captured under (``Decoder.plan_key``): under another plan it is captured
-again.
+again. A capture after every graph was dropped takes a new pool.
 """
 from __future__ import annotations
 
@@ -52,7 +52,11 @@ class StepGraphs:
         return True
 
     def _capture(self, key, body) -> Optional[torch.cuda.CUDAGraph]:
-        if self._pool is None:
+        if self._pool is None or not self._graphs:
+            # a pool whose graphs were all dropped must not be captured into
+            # again: the allocator keeps it (its blocks may still be in use)
+            # with no user left and refuses to take it back (an internal
+            # assert); a fresh pool is always accepted
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):

@@ -142,6 +142,27 @@ def test_graphs_follow_the_workspace_after_a_step_with_statistics():
     assert runs[0].graphs() == [(2, False)]
 
 
+def test_graph_captured_again_under_the_profiler():
+    """The benchmark's order: graph steps, a step with statistics (the
+    arena is replaced, the only graph dropped), then steps under
+    torch.profiler while the old graph's output is still held. The graph
+    is captured again (in a new pool: the allocator refuses to reopen one
+    whose graphs were all dropped) and equals eager steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runs = _graph_and_eager(Full(), rows=2, seed=5)
+    seqs = [0, 1]
+    tok = torch.full((2,), 7, dtype=torch.long, device="cuda")
+    held = [run.step(tok, seqs) for run in runs for _ in range(3)]
+    for run in runs:
+        run.step(tok, seqs, return_stats=True)
+    with profile(activities=[ProfilerActivity.CUDA]):
+        for _ in range(2):
+            got, want = (run.step(tok, seqs).clone() for run in runs)
+            assert rel_err(got.float(), want.float()) < 1e-6
+    assert runs[0].graphs() == [(2, False)] and len(held) == 6
+
+
 @pytest.mark.parametrize("kind", ["nape-entmax", "rope-softmax", "nape-softmax"])
 def test_gpu_prefill_equals_reference(kind):
     positions, attention = kind.split("-")
