@@ -337,6 +337,35 @@ def test_compileable_cache_refuses_past_max_len(compiled):
     assert torch.equal(first, again)
 
 
+def test_compiled_forward_stops_past_max_len_changing_nothing():
+    """A compiled forward called directly over an armed cache (the mask
+    built inside the step, so no host check runs first) stops at the step
+    that would take a row past max_len, with an error naming max_len, and
+    leaves the device lengths and the count of positions as they were."""
+    model = _model("llama", seed=8)
+    model.set_attn_implementation("entmaxkv")
+    ids, mask = _prompt(seed=9, batch=2, T=10, pad=(0, 3))
+    cache = H.EntmaxKVCache(model, policy=Full(), alpha=1.5, page_size=4, max_len=12, compileable=True)
+    torch._dynamo.reset()
+    step = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        tok, m = out.logits[:, -1].argmax(-1, keepdim=True), mask
+        rows = torch.tensor(cache.slots)
+        for i in range(3):
+            m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+            pos = (m.cumsum(-1) - 1)[:, -1:]
+            before = (cache.paged.seq_lens[rows].clone(), cache._seen_dev.clone())
+            if i < 2:  # row 0 holds 10 real tokens: room for 2
+                tok = step(input_ids=tok, attention_mask=m, past_key_values=cache, position_ids=pos,
+                           use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                continue
+            with pytest.raises(RuntimeError, match="max_len=12"):
+                step(input_ids=tok, attention_mask=m, past_key_values=cache, position_ids=pos, use_cache=True)
+            assert torch.equal(cache.paged.seq_lens[rows], before[0]) and torch.equal(cache._seen_dev, before[1])
+    assert cache.paged.seq_lens[rows].tolist() == [12, 9] and cache.get_seq_length() == 12
+
+
 def test_refusals():
     model = _model("llama")
     ids, mask = _prompt(batch=2)
