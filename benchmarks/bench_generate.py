@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 
@@ -54,7 +53,7 @@ from entmaxkv.model.lm import ModelConfig, TransformerLM, prefill_attention
 from entmaxkv.model.step import ModelStep
 from entmaxkv.policies import Certified, Full, Gaussian, TopK
 
-from .harness import kernel_config, run_meta, sketched
+from .harness import kernel_config, run_meta, save, sketched
 
 SUITES = {
     # suite: (methods, [(batch, lengths)])
@@ -472,10 +471,7 @@ def main(argv=None):
                     variants=args.variant,
                     seconds=round(time.time() - t0, 1))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_generate.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        plot(rows, os.path.join(args.out, "bench_generate.png"))
+        save(args.out, "bench_generate", meta, rows, plot)
     return rows
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import run_meta
+from .harness import run_meta, save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,10 +218,7 @@ def main(argv=None):
         import transformers
 
         meta = run_meta("benchmarks.bench_hf", argv, device, transformers=transformers.__version__)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_hf.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        plot(rows, os.path.join(args.out, "bench_hf.png"))
+        save(args.out, "bench_hf", meta, rows, plot)
     return rows
 
 

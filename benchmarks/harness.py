@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import json
+import os
 import platform
 import sys
 import time
@@ -112,6 +114,15 @@ def run_meta(module: str, argv, device: torch.device, **extra) -> dict:
     return {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv), **extra}
+
+
+def save(out: str, stem: str, meta: dict, rows: list, plot) -> None:
+    """Write ``<out>/<stem>.json`` ({"meta", "rows"}) and the plot
+    ``plot(rows, path)`` draws to ``<out>/<stem>.png``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    plot(rows, os.path.join(out, stem + ".png"))
 
 
 def sketched(cache: PagedKVCache, dims: int) -> PagedKVCache:
