@@ -233,7 +233,8 @@ def test_compiled_decode_follows_moved_tensors():
         torch.ops.entmaxkv.hf_decode_layer(q, k, k, torch.ones(2, dtype=torch.bool), cache._handle, 0, seen[0][0])
 
 
-def test_compiled_decode_has_no_per_step_numbers():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_decode_has_no_per_step_numbers(batch):
     """transformers' compiled generate over an armed cache traces the
     decode step once, and the traced graph takes no integer input: the
     count of positions lives on the device while armed, so nothing changes
@@ -241,7 +242,7 @@ def test_compiled_decode_has_no_per_step_numbers():
     host reads the count back (get_seq_length while armed, and after the
     cache is disarmed) equal to the positions processed."""
     model = _model("llama", seed=4)
-    ids, mask = _prompt(seed=6, batch=2, T=15, pad=(0, 5))
+    ids, mask = _prompt(seed=6, batch=batch, T=15, pad=(0, 5))
     traced, calls = [], []
 
     def backend(gm, example_inputs):
@@ -264,24 +265,29 @@ def test_compiled_decode_has_no_per_step_numbers():
     assert cache._armed and cache.get_seq_length() == 15 + 5 == cache.layers[1].get_seq_length()
     cache._disarm()
     assert [layer.seen for layer in cache.layers] == [20] * cache.num_layers
-    assert [cache.paged.length(s) for s in cache.slots] == [15 + 5, 10 + 5]
+    assert [cache.paged.length(s) for s in cache.slots] == [15 + 5, 10 + 5][:batch]
 
 
 def test_mask_reads_the_new_positions_at_the_offset():
     """The "entmaxkv" mask takes the new positions' flags at the query
     offset, given as an int or (inside a compiled step) as a device
-    tensor, and counts positions past the given mask as real."""
+    tensor, and counts positions past the given mask as real. Its strides
+    are the standard ones (transformers 5.17 passes it to the compiled
+    step as is)."""
     from entmaxkv.hf.attention import entmaxkv_mask
 
     g = torch.Generator().manual_seed(7)
-    m = torch.randint(0, 2, (3, 11), generator=g)
-    for off, q in ((0, 1), (4, 3), (10, 1), (9, 4), (11, 2), (15, 1)):
-        want = torch.ones(3, q, dtype=torch.bool)
-        have = m[:, off:off + q].bool()
-        want[:, :have.shape[1]] = have
-        for offset in (off, torch.tensor(off)):
-            got = entmaxkv_mask(3, q, 99, q_offset=offset, attention_mask=m)
-            assert got.shape == (3, 1, q, 1) and torch.equal(got[:, 0, :, 0], want), (off, q, type(offset))
+    for B in (3, 1):
+        m = torch.randint(0, 2, (B, 11), generator=g)
+        for off, q in ((0, 1), (4, 3), (10, 1), (9, 4), (11, 2), (15, 1)):
+            want = torch.ones(B, q, dtype=torch.bool)
+            have = m[:, off:off + q].bool()
+            want[:, :have.shape[1]] = have
+            for offset in (off, torch.tensor(off)):
+                got = entmaxkv_mask(B, q, 99, q_offset=offset, attention_mask=m)
+                assert got.shape == (B, 1, q, 1) and torch.equal(got[:, 0, :, 0], want), (off, q, type(offset))
+                # standard strides (ones that follow the mask's length would retrace compiled steps)
+                assert got.stride() == torch.empty(got.shape).stride()
 
 
 def test_compiled_decode_padding_rows():

@@ -48,7 +48,8 @@ def entmaxkv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     ``q_offset .. q_offset + q_length - 1`` (the cache's count; an int, or
     an int64 [] device tensor inside a compiled step of an armed cache) of
     ``attention_mask`` [B, positions] (1 real, 0 padding); positions past
-    its end are real tokens. ``kv_length`` is not read."""
+    its end are real tokens. ``kv_length`` is not read. The result has
+    standard strides, which do not change from token to token."""
     if attention_mask is None:
         return torch.ones(batch_size, 1, q_length, 1, dtype=torch.bool, device=device)
     # (positions past the given mask are real tokens)
@@ -61,7 +62,10 @@ def entmaxkv_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     else:
         start = min(int(q_offset), mask.shape[-1] - q_length)
         pad = mask[:, start:start + q_length]
-    return pad[:, None, :, None]
+    # (a copy with standard strides: a view's would follow the mask's
+    # length, even where contiguous() keeps it (size-1 dims), and a compiled
+    # step guards on strides: it would be traced again every token)
+    return pad.clone(memory_format=torch.contiguous_format)[:, None, :, None]
 
 
 def entmaxkv_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
