@@ -106,7 +106,6 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
     paged = cache.paged
     with torch.no_grad():
         if layer == 0:
-            cache._disarm()  # (the host takes the lengths back from an armed cache first)
             counts = attention_mask[:, 0, :, 0].sum(-1).tolist()  # (host values: the pages are decided on the host)
             cache._slot_mapping = paged.reserve(cache.slots, counts)
             cache._decoding = T == 1 and all(c == 1 for c in counts)

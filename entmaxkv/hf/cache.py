@@ -115,7 +115,7 @@ class _Layer(CacheLayerMixin):
         if owner._armed:
             if not torch.compiler.is_compiling():
                 owner._check_room(query_length)
-            return owner._kv_bound + query_length, 0
+            return owner._seen_armed + owner._room + query_length, 0
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
@@ -218,15 +218,15 @@ class EntmaxKVCache(Cache):
         # rows' slots and the count of positions on the device (one buffer
         # each per paged cache: a compiled step's CUDA graph keeps the
         # address it was captured with), the count and the decode steps left
-        # before a row is full when armed, a kv length no armed step reaches,
-        # and the name of what the op's launches read (``_layout``)
+        # before a row is full when armed (their sum bounds every armed
+        # step's kv length), and the name of what the op's launches read
+        # (``_layout``)
         self._armed = False
         self._rows_buf: Optional[torch.Tensor] = None
         self._rows: Optional[torch.Tensor] = None
         self._seen_dev: Optional[torch.Tensor] = None
         self._seen_armed = 0
         self._room = 0
-        self._kv_bound = 0
         self._reads: Optional[tuple] = None
         self._layout = "0"
         self._handle = register_cache(self)
@@ -266,7 +266,6 @@ class EntmaxKVCache(Cache):
         paged.seq_lens[rows] = torch.tensor(lens, dtype=torch.int32, device=dev)
         self._rows, self._room = rows, self.max_len - max(lens)
         self._seen_armed = self.layers[0].seen
-        self._kv_bound = self._seen_armed + self._room
         self._seen_dev.fill_(self._seen_armed)
         self._armed = True
         dec = self.decoder(scale, slopes).plan_cache(paged, self._slots)
@@ -319,9 +318,10 @@ class EntmaxKVCache(Cache):
         if layer == 0:
             # (a compiled step cannot raise on the host: past max_len it
             # stops on the device, before anything is changed)
-            torch._assert_async((paged.seq_lens[rows] + real.to(torch.int32) <= self.max_len).all(),
+            new = real.to(torch.int32)
+            torch._assert_async((paged.seq_lens[rows] + new <= self.max_len).all(),
                                 f"EntmaxKVCache: a row would exceed max_len={self.max_len} tokens")
-            paged.seq_lens[rows] += real.to(torch.int32)
+            paged.seq_lens[rows] += new
             self._seen_dev += 1
         pos = paged.seq_lens[rows].long() - 1
         slot = paged.block_table[rows, pos // P].long() * P + pos % P
