@@ -216,7 +216,9 @@ def select(
         parts = certified_parts(policy, q, cache, seq_ids, lay, S, alpha=alpha, scale=scale, slopes=slopes, ub=ub)
         add = (alpha - 1.0) * parts.bound > parts.tau_a[..., None]  # [B, HQ, M]
         add = _by_selection_head(add, S).any(2) & lay.valid[:, None, :]
-        return compact(parts.seed | add | forced)
+        sel = compact(parts.seed | add | forced)
+        sel.tau_lower = parts.tau_a.to(torch.float32)  # (the kept pages contain the seed's)
+        return sel
 
     raise ValueError(f"policy: unknown policy {policy!r}")
 

@@ -27,6 +27,12 @@ class Selection:
         counts:  int32 [batch, sel_heads]: number of valid entries per row.
         tau_hat: float32 [batch, q_heads] or None: the policy's estimate of the
                  entmax threshold (a warm start for the exact solve).
+        tau_lower: float32 [batch, q_heads] or None: a proven lower bound on
+                 the entmax threshold over the selected tokens (the certified
+                 policy's tau over its seed, which the selection contains).
+                 Scores below it have zero weight, so the Triton attention
+                 never keeps them as candidates; a value above the true
+                 threshold would drop support tokens.
         pending: Pending or None: set by a selection whose last kernel may
                  still be running when the next launch starts (the Triton
                  top-k through _rowsel_kernel). Leave it None when building
@@ -40,6 +46,7 @@ class Selection:
     pages: torch.Tensor
     counts: torch.Tensor
     tau_hat: Optional[torch.Tensor] = None
+    tau_lower: Optional[torch.Tensor] = None
     pending: Optional["Pending"] = field(default=None, repr=False, compare=False)
 
     @property

@@ -278,8 +278,11 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
         # need_bounds' launch, its arguments checked above (once per layer)
         ubs = SK._bounds_launch(q, cache, sk, bt, strides, ids, scale_f, slopes, mask, HQ // S, pb,
                                 tau_a.to(torch.float32).contiguous(), float(alpha) - 1.0, terms, ws)
-    return _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
-                    window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
+    sel = _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
+                   window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
+    # the kept pages contain the seed's, so tau_A bounds tau over them from below
+    sel.tau_lower = tau_a
+    return sel
 
 
 def _seed(seed, q, cache, ids, alpha, scale, slopes, cfg, ws, *, want_ub: bool, table=None):

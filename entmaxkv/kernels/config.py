@@ -60,6 +60,10 @@ class AttentionConfig:
     # runs those element by element, so there only with fused_sums_interpreted.
     fused_sums: bool = True
     fused_sums_interpreted: bool = False
+    # The entmax split pass starts its lower bound on tau at the selection's proven
+    # one (Selection.tau_lower, the certified policy's tau over its seed) when it
+    # has one, so it stages only tokens that can be in the support.
+    start_at_tau_lower: bool = True
     # After a still-running selection (Selection.pending), wait per row on its
     # counters instead of the whole launch; with the split grid transposed (rows
     # scheduled in selection order); only for selections of <= poll_max_tokens

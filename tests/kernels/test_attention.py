@@ -470,3 +470,64 @@ def test_entmax_solve_bisects_when_halley_cycles():
                                   config=KernelConfig(attention=AttentionConfig(finish=finish)))
         assert (tau.double() - rtau).abs().max() < 1e-5
         assert rel_err(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+@pytest.mark.parametrize("dtype,G,P,slopes", [
+    (torch.float32, 1, 4, False), (torch.float16, 2, 8, True), (torch.bfloat16, 3, 4, True),
+], ids=["f32-g1", "f16-g2-alibi", "bf16-g3-alibi"])
+def test_attend_starts_at_the_selections_lower_bound(alpha, dtype, G, P, slopes, launches):
+    """Selection.tau_lower (a proven lower bound on tau over the kept tokens,
+    as the certified policy's tau over its seed): the split pass stages only
+    scores at or above it from its first tile. The output and tau equal the
+    reference whether the bound is loose (tau over a few pages), exact
+    (tau itself, rounded to float32) or absent (NaN, +inf: no bound); the
+    lists are never shorter than the support, with the exact bound they are
+    the support, and on the long row much shorter than without a bound. Nearly flat keys,
+    the last 96 of the long row's raised along its queries: until it reaches
+    them, the split pass has no bound of its own near tau and keeps every
+    token it scores."""
+    H = 2
+    lens = [301, 77, 6]
+    cache, ids, q, sl = case(lens, H, G, 24, P, dtype, seed=31, slopes=slopes, key_scale=0.01)
+    npages = -(-lens[0] // P)
+    pages = cache.block_table[ids[0]].long()[npages - 96 // P: npages]
+    lift = q[0].float().view(H, G, -1).mean(1)
+    cache.k_pages[pages] += (lift / lift.norm(dim=-1, keepdim=True)).to(dtype)[None, :, None]  # [pages, H, P, D]
+    c = AttentionConfig(finish_prune=False)  # (a pruning finish rewrites the lists' lengths)
+    full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.4, slopes=sl)
+    few = RP.select(TopK(3), q, cache, ids, alpha=alpha, scale=0.4, slopes=sl)
+    ref, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=0.4, slopes=sl)
+    _, seed_tau = RA.attend(q.double(), cache, ids, few, alpha=alpha, scale=0.4, slopes=sl)
+    assert (seed_tau <= rtau).all()
+    nan_rows = torch.full_like(rtau, float("nan"))
+    nan_rows[0] = float("inf")
+    x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, full, scale=0.4, slopes=sl)[0]
+    support = (x > rtau[..., None]).sum(-1).flatten()  # per (row, head)
+    pages, counts = full.pages.to(DEV), full.counts.to(DEV)
+    lengths = {}
+    for name, lower in [("none", None), ("seed", seed_tau), ("exact", rtau), ("not finite", nan_rows)]:
+        sel = Selection(pages, counts, tau_lower=None if lower is None else lower.to(torch.float32).to(DEV))
+        del launches[:]
+        out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.4, slopes=sl, config=_cfg(c))
+        (kw,) = [k for n, _, k, _ in launches if n == "_attn_split_entmax_kernel"]
+        assert kw["HAS_LB0"] == (lower is not None)
+        (args,) = [a for n, a, _, _ in launches if n == "_attn_split_entmax_kernel"]
+        assert rel_err(out, ref) < TOL[dtype], name
+        assert (tau.double() - rtau).abs().max() < 1e-5 * (1 + rtau.abs().max()), name
+        lengths[name] = args[10].sum(-1)  # cn [rows, NSPLIT] -> candidates per (row, head)
+    for name in ("seed", "exact"):
+        assert (lengths[name] >= support).all() and (lengths[name] <= lengths["none"]).all(), name
+    assert torch.equal(lengths["not finite"], lengths["none"])
+    assert (lengths["exact"] <= support + 2).all()  # (ties with tau within the start's margin)
+    long_rows = slice(0, H * G)  # (the 301-token row)
+    assert (lengths["exact"][long_rows] * 2 < lengths["none"][long_rows]).any()
+
+
+def test_attend_refuses_a_misshapen_lower_bound():
+    cache, ids, q, _ = case([20, 9], 2, 1, 16, 4, torch.float32, seed=1)
+    full = RP.select(Full(), q, cache, ids, alpha=1.5, scale=0.4)
+    for bad in (torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.float64), "tau"):
+        sel = Selection(full.pages.to(DEV), full.counts.to(DEV), tau_lower=bad)
+        with pytest.raises(ValueError, match="tau_lower"):
+            K.attend(q, cache, ids, sel, alpha=1.5, scale=0.4)

@@ -34,8 +34,14 @@ def test_certified_select_and_certificate(seed_policy, per_q, alpha):
         assert page_sets(sel) == page_sets(ref)
     out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl)
     # certified == full-cache attention
-    full, _ = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    full, ftau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
     assert rel_err(out, full) < 1e-5
+    # tau over the seed rides along as a lower bound on tau (the attention starts there)
+    ref_lower = RP.select(pol, q, cache, ids, alpha=alpha, scale=0.3, slopes=sl).tau_lower
+    for lower in (sel.tau_lower, ref_lower):
+        assert lower.dtype == torch.float32 and lower.shape == tau.shape
+        assert (lower <= ftau + 1e-5 * (1 + ftau.abs())).all()
+    assert (sel.tau_lower > ftau - 0.5).any()  # (a seed holding most of the mass: a tight bound)
     ub = RS.quest_bounds(q, cache, ids, scale=0.3, slopes=sl)
     slack = RS.bound_slack(q, cache, ids, scale=0.3, slopes=sl)
     lay = RS.page_layout(cache, ids)

@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..._checks import describe
 from ...types import Selection
 from ..config import KernelConfig, resolve
 from .._common import (alloc, as_slopes, beta_kind, cdiv, pos_args, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
@@ -31,13 +32,15 @@ def _check_inputs(q: torch.Tensor, cache) -> None:
 def _run(
     q, cache, seq_ids, pages, counts, S: int, W: int, dense: bool, *,
     alpha: float, scale: float, slopes, tau_init, want_out: bool = True, ready=None, config: KernelConfig,
-    ws=None, out=None, want_candidates: bool = False,
+    ws=None, out=None, want_candidates: bool = False, tau_lower=None,
 ):
     """Launch the split pass and the finishing kernels; returns (out or None, tau).
     ``ready``: Selection.pending.counters (int32 [2, B, S]) or None
     (AttentionConfig.poll_ready); ``config``: the launch choices; ``ws``:
     where scratch comes from (a Workspace, or None: torch.empty); ``out``:
-    [B, HQ, D] in q's dtype to write, or None (allocated)."""
+    [B, HQ, D] in q's dtype to write, or None (allocated); ``tau_lower``:
+    float32 [B, HQ] proven lower bounds on tau over the kept tokens, or None
+    (entmax: the split pass starts its bound there)."""
     c = config.attention
     alpha = kernel_alpha(alpha)
     _check_inputs(q, cache)
@@ -126,7 +129,7 @@ def _run(
     else:
         _attn_split_entmax_kernel[grid](
             qk, cache.k_pages, cache.block_table, cache.seq_lens, ids, pages, counts, sl,
-            cx, ci, cn, clb, cm, rdy, done,
+            cx, ci, cn, clb, cm, rdy, done, tau_lower if tau_lower is not None else tau,
             float(scale), am1, float(beta),
             qk.stride(0), qk.stride(1),
             skp, skh, skr,
@@ -138,6 +141,7 @@ def _run(
             BETA_KIND=bk, NEWTON=newton, LB_MODE=lb_mode,
             USE_DOT=cfg["USE_DOT"], DOT_F32=dot_f32, PREC=prec, PREFETCH=cfg["PREFETCH"],
             LOOP_STAGES=cfg["LOOP_STAGES"], POLL=poll, POLLS=c.poll_polls, ROWS_FIRST=rows_first,
+            HAS_LB0=tau_lower is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pos, **opts,
         )
     if want_candidates:  # the split pass's lists only (entmaxkv.distributed solves tau across ranks)
@@ -244,6 +248,10 @@ def attend(
         scale: score scale; slopes: optional float [q_heads] ALiBi slopes.
         tau_init: optional float [batch, q_heads] warm start (used, clamped
             into the bracket, by the general-alpha Halley solver only).
+        ``sel.tau_lower`` (float32 [batch, q_heads], e.g. the certified
+            policy's tau over its seed): a proven lower bound on tau over the
+            selected tokens; entmax drops the scores below it from the start
+            (a larger value would drop support tokens).
     Returns:
         out [batch, q_heads, head_dim] in q's dtype (zeros for a head with no
         kept token) and tau float32 [batch, q_heads] (softmax: log-sum-exp;
@@ -273,9 +281,17 @@ def attend(
                 or ready.device != q.device):
             raise ValueError(f"sel: pending.counters must be a contiguous int32 [2, {B}, {S}] tensor on "
                              f"{q.device}, got {ready.dtype} {tuple(ready.shape)} on {ready.device}")
+    lower = sel.tau_lower
+    if lower is not None and (not isinstance(lower, torch.Tensor) or lower.dtype != torch.float32
+                              or tuple(lower.shape) != (B, HQ) or lower.device != q.device):
+        raise ValueError(f"sel: tau_lower must be a float32 [{B}, {HQ}] tensor on {q.device}, got "
+                         f"{describe(lower)}")
+    config = resolve(config)
+    if kernel_alpha(alpha) == 1.0 or not config.attention.start_at_tau_lower:
+        lower = None
     return _run(q, cache, seq_ids, pages, counts, S, max(W, 1), False,
                 alpha=alpha, scale=scale, slopes=slopes, tau_init=tau_init, ready=ready,
-                config=resolve(config), ws=ws, out=out)
+                config=config, ws=ws, out=out, tau_lower=None if lower is None else lower.contiguous())
 
 
 def dense_attend(

@@ -317,6 +317,23 @@ def _lb_step(b_top, b_lb, b_mx, am1, beta, BETA_KIND: tl.constexpr, NEWTON: tl.c
 
 
 @triton.jit
+def _start_lb(lb0_ptr, o_row, m_row, am1, beta, HAS_LB0: tl.constexpr):
+    """The split's first lb per row o_row [R] (score units): NO_LB, or with
+    HAS_LB0 the rows' lower bounds on tau (tau units) over alpha - 1, less a
+    margin far above their float32 rounding (the bound is itself a solved
+    tau: a few ulps of the scores), so that no token of the support is
+    dropped for an ulp. A bound that is not finite (NaN, an empty seed's
+    +inf) gives NO_LB."""
+    if HAS_LB0:
+        t = tl.load(lb0_ptr + o_row, mask=m_row, other=float("nan")) / am1
+        lb = t - (tl.abs(t) + beta) * 7.62939453125e-06  # 2^-17
+        ok = (t == t) & (tl.abs(t) < float("inf"))
+        return tl.where(ok, lb, NO_LB)
+    else:
+        return tl.full(o_row.shape, NO_LB, tl.float32)
+
+
+@triton.jit
 def _stage(cx_ptr, ci_ptr, o_c, b_nc, m_c, b_x, b_tok, o_tt, BLOCK_T: tl.constexpr):
     """Stage the candidates m_c of a tile: slot t's j-th candidate at row j,
     column t of its region (o_c); returns the slot counts b_nc + m_c."""
@@ -356,7 +373,7 @@ def _compact(cx_ptr, ci_ptr, o_c, b_nc, R: tl.constexpr, BLOCK_T: tl.constexpr):
 @triton.jit
 def _attn_split_entmax_kernel(
     q_ptr, k_ptr, bt_ptr, lens_ptr, ids_ptr, pages_ptr, counts_ptr, slopes_ptr,
-    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, rdy_ptr, done_ptr,
+    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, rdy_ptr, done_ptr, lb0_ptr,
     scale, am1, beta,
     stride_qb, stride_qh,
     stride_kp, stride_kh, stride_kr,
@@ -369,6 +386,7 @@ def _attn_split_entmax_kernel(
     BETA_KIND: tl.constexpr, NEWTON: tl.constexpr, LB_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
     LOOP_STAGES: tl.constexpr, POLL: tl.constexpr, POLLS: tl.constexpr, ROWS_FIRST: tl.constexpr,
+    HAS_LB0: tl.constexpr,
     PDL: tl.constexpr, pos_ptr, HAS_POS: tl.constexpr, PSTRIDE: tl.constexpr,
 ):
     """Entmax pass 1 for one (batch row, selection head, split): the scores s
@@ -402,6 +420,11 @@ def _attn_split_entmax_kernel(
     raise done[row] (counters[1]) by one. ROWS_FIRST: the grid is (NSPLIT,
     rows), so programs are scheduled row by row, in the order rows are
     selected.
+
+    HAS_LB0: lb starts at lb0[b * HQ + head] (float32, tau units: a proven
+    lower bound on tau over the kept tokens, Selection.tau_lower) instead of
+    "no bound", so from the first tile only tokens that can be in the
+    support are staged (_start_lb).
     """
     i_r, i_s = grid_ids(ROWS_FIRST)
     if POLL > 0:
@@ -440,7 +463,7 @@ def _attn_split_entmax_kernel(
             b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
         if HAS_ALIBI:
             b_sl = tl.load(slopes_ptr + h0 + o_h, mask=m_h, other=0.0)
-        b_lb = tl.full([R], NO_LB, tl.float32)
+        b_lb = _start_lb(lb0_ptr, i_b * HQ + h0 + o_h, m_h, am1, beta_c, HAS_LB0)
         b_mx = tl.full([R], float("-inf"), tl.float32)  # max of b_top (LB_MODE 1)
         b_top = tl.full([R, BLOCK_T], float("-inf"), tl.float32)
         b_nc = tl.zeros([R, BLOCK_T], tl.int32)
@@ -450,7 +473,8 @@ def _attn_split_entmax_kernel(
         b_q = b_q.to(tl.float32)
         if HAS_ALIBI:
             b_sl = tl.load(slopes_ptr + h0)
-        b_lb = tl.full([], NO_LB, tl.float32)
+        b_lb = tl.max(_start_lb(lb0_ptr, i_b * HQ + h0 + tl.zeros([1], tl.int32), tl.full([1], 1, tl.int1),
+                                am1, beta_c, HAS_LB0), axis=0)
         b_mx = tl.full([], float("-inf"), tl.float32)
         b_top = tl.full([BLOCK_T], float("-inf"), tl.float32)
         b_nc = tl.zeros([BLOCK_T], tl.int32)
