@@ -14,7 +14,8 @@ For each model and prompt length (batch 1, the same random prompt for both):
   ``cuda_graphs=False``, every kernel launched from Python.
 
 Each is timed generating 1 and ``--new`` tokens (median of ``--reps``, the
-methods' runs alternating):
+methods' runs alternating; with ``--apart`` one method after the other, each
+one's caches freed before the next is built):
 prefill seconds = t(1), decode tokens/s = (new - 1) / (t(new) - t(1)). HF's
 own per-token Python work is in both. With ``--compile`` both also run
 transformers' compiled decode step (``*_compiled``: torch.compile of the
@@ -183,6 +184,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--compile", action="store_true", help="also time transformers' compiled decode step (both)")
     ap.add_argument("--eager", action="store_true", help="also time EntmaxKVCache(cuda_graphs=False)")
+    ap.add_argument("--apart", action="store_true",
+                    help="time each method alone, its caches freed before the next (long prompts whose "
+                         "methods' caches do not fit the GPU together)")
     ap.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "entmax"), help="the twin checkpoint")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="folder for bench_hf.json and .png")
@@ -202,7 +206,13 @@ def main(argv=None):
             labels = [base, "entmaxkv"] + [base + "_compiled", "entmaxkv_compiled"] * args.compile \
                 + ["entmaxkv_eager"] * args.eager
             runs = {}
-            for label, res in measure(model, ids, labels, args, device).items():
+            groups = [[label] for label in labels] if args.apart else [labels]
+            results = {}
+            for group in groups:
+                results.update(measure(model, ids, group, args, device))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            for label, res in ((lab, results[lab]) for lab in labels):
                 runs[label] = {"model": name, "n": n, "method": label, "new": args.new, **res}
                 rows.append(runs[label])
                 print(json.dumps(runs[label]), flush=True)
