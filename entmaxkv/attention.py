@@ -97,7 +97,8 @@ def attend(
     The threshold tau is solved exactly over the kept scores (``tau_init``,
     e.g. the Gaussian estimate, is only a warm start), so the output is
     exactly entmax over the kept set; when the kept set contains the full
-    support it equals full-cache attention.
+    support it equals full-cache attention. ``sel.tau_lower`` is not read:
+    the kernels use it only to skip scores that have zero weight.
 
     Args:
         q: [B, HQ, D]; sel: Selection with S in {H, HQ} selection heads.
