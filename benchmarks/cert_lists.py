@@ -45,8 +45,9 @@ def layer_lists(dec, q, kv, policy) -> dict:
     scores, _, lower = candidates(q, layer, ids, sel, **args)
     tau = selection_tau(q, layer, ids, sel, **args).view(-1)
     S, W = sel.pages.shape[1], sel.pages.shape[2]
-    nsplit = _plan(DEFAULT.attention, 1, S, q.shape[1] // S, q.shape[2], W, layer.page_size, q.device, False,
-                   q.element_size(), False)["NSPLIT"]
+    # (the plan _run makes for this selection: candidates() returns the lists flattened)
+    nsplit = _plan(DEFAULT.attention, q.shape[0], S, q.shape[1] // S, q.shape[2], W, layer.page_size, q.device,
+                   False, layer.k_pages.element_size(), False)["NSPLIT"]
     listed = torch.isfinite(scores)
     return dict(kept_pages=sel.counts.float().mean().item(), W=W, nsplit=nsplit,
                 cand=listed.sum(1).tolist(),
