@@ -52,6 +52,14 @@ class AttentionConfig:
     finish_max_splits: int = 4
     finish_warps: Tuple[int, int] = (4, 8)
     finish_block: int = 256
+    # The finish gathers at most finish_own support tokens' V rows itself; a
+    # longer support (wide NoPE heads, dense rows) is spread over finish_tail
+    # programs per query head of one more launch (_attn_vtail_kernel; 0: as
+    # many as fill the SMs once, at most 32; 1: never), which the finish's
+    # one program per head would otherwise gather alone. Only where a row
+    # can keep more than finish_own tokens.
+    finish_own: int = 2048
+    finish_tail: int = 0
     # The finish first drops, in one pass, the candidates below the row's lower
     # bound on tau when its lists outgrow the register tile (dense rows, whose
     # lists are much longer than their support).

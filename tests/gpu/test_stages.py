@@ -157,3 +157,46 @@ def test_graph_replay_equals_eager(sweep):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(go, eo)
+
+
+@pytest.mark.parametrize("dtype,D,heads", [(torch.float16, 64, (4, 2)), (torch.bfloat16, 128, (8, 4)),
+                                           (torch.float32, 32, (2, 1))], ids=["f16-d64-g2", "bf16-d128-g4", "f32-d32"])
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+def test_finish_tail_wide_support(dtype, D, heads, alpha):
+    """Nearly flat keys give supports of thousands of tokens, longer than
+    finish_own: the tail launch (_attn_vtail_kernel, as many programs per
+    head as fill the SMs) gathers them. Dense and through a Certified
+    selection, against the reference and the finish alone; a CUDA graph of
+    the dense call replays twice to the eager bits (its arrival counters
+    start from zero every replay)."""
+    from entmaxkv import kernels as K
+    from entmaxkv.kernels import AttentionConfig, KernelConfig
+
+    H, G = heads
+    flat = 0.0002 if alpha == 2.0 else 0.002  # (sparsemax keeps a narrower band of scores)
+    cache, ids, q, _ = random_case([9000, 4100, 40], H, G, D, 16, dtype, seed=D + H, key_scale=flat, device="cuda")
+    slopes = alibi(H * G).cuda() * 0.001  # (mild: long supports on every head)
+    scale = 1.0 / math.sqrt(D)
+    alone = KernelConfig(attention=AttentionConfig(finish_tail=1))
+    full = RP.select(RP.Full(), q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+    ro, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=scale, slopes=slopes)
+    x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, full, scale=scale, slopes=slopes)[0]
+    assert int((x > rtau[..., None]).sum(-1).max()) > 2 * AttentionConfig().finish_own
+    for cfg in (None, alone):
+        o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=cfg)
+        assert rel_err(o, ro) < TOL[dtype] and float((tau.double() - rtau).abs().max()) < 1e-4
+    pol = RP.Certified(seed=RP.TopK(1024))
+    sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
+    o, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes)
+    so, _ = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes)
+    assert rel_err(o, so) < TOL[dtype]
+
+    def step():
+        return K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)[0]
+
+    eo = step()
+    g, go = capture(step)
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(go, eo)

@@ -308,6 +308,61 @@ def test_attend_short_selection_finish_launch(alpha, dtype, G, D, P, per_q, laun
     assert not {"_attn_solve_kernel", "_attn_vacc_kernel", "_attn_combine_kernel"} & set(ran)
 
 
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+@pytest.mark.parametrize("dtype,G,D,P,slopes,own,tail", [
+    (torch.float32, 1, 16, 4, False, 16, 3), (torch.float16, 3, 24, 8, True, 0, 2),
+    (torch.bfloat16, 2, 40, 2, True, 40, 5),
+], ids=["f32-g1-own16-tail3", "f16-g3-alibi-own0-tail2", "bf16-g2-d40-alibi-own40-tail5"])
+def test_finish_tail_gathers_long_supports(alpha, dtype, G, D, P, slopes, own, tail, launches):
+    """Supports longer than finish_own: the finish gathers the first ``own``
+    support tokens, _attn_vtail_kernel's ``tail`` programs per query head the
+    rest, and the last to arrive writes the output; rows with a short
+    support keep the finish's output. Nearly flat keys put most of the long
+    rows in the support; dense and through a selection (short rows and an
+    empty one), against the reference and against the finish alone, twice
+    on one workspace (the arrival counters start from zero each call)."""
+    from entmaxkv.workspace import Workspace
+
+    H, lens = 2, [333, 150, 3]
+    cache, ids, q, sl = case(lens, H, G, D, P, dtype, seed=41, key_scale=0.003, slopes=slopes)
+    c = AttentionConfig(finish_max_splits=128, finish_block=16, finish_own=own, finish_tail=tail)
+    alone = AttentionConfig(finish_max_splits=128, finish_block=16, finish_tail=1)
+    full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
+    M = full.pages.shape[2]
+    pages, counts = full.pages.clone(), full.counts.clone()
+    counts[2] = 0  # a row with no kept page (zeros, tau = +inf)
+    sel = Selection(pages, counts)
+    ws = Workspace(DEV)
+    for run in ("dense", "selection"):
+        got = []
+        for cfg in (c, c, alone):
+            launches.clear()
+            ws.begin()
+            if run == "dense":
+                out, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=0.3, slopes=sl, config=_cfg(cfg), ws=ws)
+            else:
+                out, tau = K.attend(q, cache, ids, sel, alpha=alpha, scale=0.3, slopes=sl, config=_cfg(cfg), ws=ws)
+            ws.end()
+            ran = launches.names()
+            assert "_attn_finish_kernel" in ran
+            assert ran.count("_attn_vtail_kernel") == (cfg.finish_tail > 1 and M * P > cfg.finish_own)
+            got.append((out.clone(), tau.clone()))
+        ref_sel = full if run == "dense" else sel
+        ref, rtau = RA.attend(q.double(), cache, ids, ref_sel, alpha=alpha, scale=0.3, slopes=sl)
+        fin = torch.isfinite(rtau)
+        for out, tau in got:
+            assert rel_err(out, ref) < TOL[dtype]
+            assert (tau[fin].double() - rtau[fin]).abs().max() < 1e-5
+            assert torch.isinf(tau[~fin]).all() and (out[~fin] == 0).all()
+        assert torch.equal(got[0][0], got[1][0])  # the same bits on a reused workspace
+        assert rel_err(got[0][0].float(), got[2][0].float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+        x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, ref_sel, scale=0.3, slopes=sl)[0]
+        support = (x > rtau[..., None]).sum(-1)
+        assert support[0].max() > own + tail * 16  # every tail program of a long head has a block
+        if own:
+            assert support[2].max() <= own  # the short row keeps the finish's output
+
+
 @pytest.mark.parametrize("min_tokens", [16, 60], ids=["4-pages", "15-pages"])
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_attend_one_head_list_min_split_share(min_tokens, alpha):

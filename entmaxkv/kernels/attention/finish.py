@@ -5,7 +5,9 @@ of the candidates with p > 0 (shifted_prob, _common.py) into a partial sum, whic
 ``_attn_combine_kernel`` (combine.py) adds up. ``_attn_finish_kernel`` does
 passes 2-4 for one query head in one program: the solve (solve.py), the
 support compacted into the head's own candidate lists, its V rows, the
-output.
+output; with a tail, only the first V rows of a long support, and
+``_attn_vtail_kernel`` gathers the rest over several programs per head and
+writes the output.
 """
 from __future__ import annotations
 
@@ -152,15 +154,15 @@ def _prune_lists(cx_ptr, ci_ptr, cn_row, base, o_s, n_s, max_n, lb, beta, CAP,
 
 @triton.jit
 def _attn_finish_kernel(
-    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr, v_ptr, out_ptr, done_ptr,
-    alpha, beta, am1, am1_lo, pscale, CAP,
+    cx_ptr, ci_ptr, cn_ptr, clb_ptr, cm_ptr, tinit_ptr, tau_ptr, v_ptr, out_ptr, done_ptr, vpart_ptr, vinfo_ptr,
+    alpha, beta, am1, am1_lo, pscale, CAP, OWN, VSTRIDE,
     stride_vp, stride_vh, stride_vr, stride_ob, stride_oh,
     HQ, G,
     NSPLIT: tl.constexpr, NS_P2: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     BETA_KIND: tl.constexpr, HAS_INIT: tl.constexpr,
     HALLEY: tl.constexpr, POLISH: tl.constexpr, NEWTON_CAP: tl.constexpr, MODE: tl.constexpr,
-    FUSED: tl.constexpr, FORM: tl.constexpr, PRUNE: tl.constexpr,
+    FUSED: tl.constexpr, FORM: tl.constexpr, PRUNE: tl.constexpr, TAIL: tl.constexpr,
     POLL: tl.constexpr, POLLS: tl.constexpr, PDL: tl.constexpr,
 ):
     """The work of _attn_solve_kernel, _attn_vacc_kernel and _attn_combine_kernel for one
@@ -177,7 +179,11 @@ def _attn_finish_kernel(
     counted in, poll_ready) rather than for the whole split pass. PRUNE:
     lists longer than the register tile first lose the candidates below the
     row's lower bound on tau (_prune_lists; their new lengths go to cn), so
-    the solve reads the rest only, from registers when they fit."""
+    the solve reads the rest only, from registers when they fit. TAIL (the
+    tail launch follows): only the first OWN support tokens are gathered
+    here; the row's (support size, chunk width, 0) go to vinfo [R, 3] int32
+    and, for a longer support, this partial (unscaled) to vpart[row, 0]
+    (row stride VSTRIDE) instead of the output."""
     i_r = tl.program_id(0).to(tl.int64)  # b * HQ + query head
     if POLL:
         poll_start(done_ptr + i_r, NSPLIT, POLLS, PDL)
@@ -224,17 +230,88 @@ def _attn_finish_kernel(
     kvh = (i_r % HQ) // G
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
+    n_own = n_sup
+    if TAIL:
+        n_own = tl.minimum(n_sup, OWN)
+    b_o = _support_pv(cx_ptr, ci_ptr, v_ptr, base, cw, 0, n_own, kvh, o_d, m_d, CAP,
+                      stride_vp, stride_vh, stride_vr, NSPLIT, P, BLOCK_C, BLOCK_D)
+    if TAIL:
+        tl.store(vinfo_ptr + 3 * i_r, n_sup)
+        tl.store(vinfo_ptr + 3 * i_r + 1, cw)
+        tl.store(vinfo_ptr + 3 * i_r + 2, 0)  # the tail's arrival counter, zero before it starts
+        if n_sup > OWN:
+            tl.store(vpart_ptr + i_r * VSTRIDE + o_d, b_o, mask=m_d)  # (VSTRIDE: (tail + 1) * D)
+        else:
+            _store_row(out_ptr, b_o, pscale, i_r, o_d, m_d, stride_ob, stride_oh, HQ, BETA_KIND)
+    else:
+        _store_row(out_ptr, b_o, pscale, i_r, o_d, m_d, stride_ob, stride_oh, HQ, BETA_KIND)
+
+
+@triton.jit
+def _support_pv(cx_ptr, ci_ptr, v_ptr, base, cw, lo, hi, kvh, o_d, m_d, CAP,
+                stride_vp, stride_vh, stride_vr,
+                NSPLIT: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """sum of p * V [BLOCK_D] over the support tokens lo .. hi - 1 of a row
+    compacted by _attn_finish_kernel ((p, token id) at _support_slot, chunk
+    width cw), in blocks of BLOCK_C."""
     b_acc = tl.zeros([BLOCK_C, BLOCK_D], tl.float32)
-    for c0 in range(0, n_sup, BLOCK_C):
+    for c0 in range(lo, hi, BLOCK_C):
         o_j = c0 + tl.arange(0, BLOCK_C)
-        m_j = o_j < n_sup
+        m_j = o_j < hi
         o_w = _support_slot(base, o_j, CAP, cw, NSPLIT)
         b_pj = tl.load(cx_ptr + o_w, mask=m_j, other=0.0)
         b_tj = tl.load(ci_ptr + o_w, mask=m_j, other=0)
         b_acc += _pv_rows(v_ptr, b_tj, b_pj, m_j, kvh, o_d, m_d, stride_vp, stride_vh, stride_vr, P)
-    b_o = tl.sum(b_acc, axis=0)
+    return tl.sum(b_acc, axis=0)
+
+
+@triton.jit
+def _store_row(out_ptr, b_o, pscale, i_r, o_d, m_d, stride_ob, stride_oh, HQ, BETA_KIND: tl.constexpr):
+    """The output row of query-head row i_r from its sum of p * V."""
     if BETA_KIND == 2:  # shifted_prob's p / (alpha-1)^2
         b_o = b_o * pscale
     i_b = i_r // HQ
     i_h = i_r % HQ
     tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_d, b_o.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _attn_vtail_kernel(
+    cx_ptr, ci_ptr, v_ptr, out_ptr, vpart_ptr, vinfo_ptr,
+    pscale, CAP, OWN,
+    stride_vp, stride_vh, stride_vr, stride_ob, stride_oh,
+    HQ, G,
+    NSPLIT: tl.constexpr, TAIL: tl.constexpr, TAIL_P2: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BETA_KIND: tl.constexpr, PDL: tl.constexpr,
+):
+    """The V rows of a long support, after _attn_finish_kernel (TAIL): program
+    (row, j) of a [rows, TAIL] grid gathers the j-th of TAIL equal slices
+    (whole blocks of BLOCK_C) of the row's support tokens OWN .. n - 1 into
+    vpart[row, j + 1]; the last of the row's programs to arrive (an acq_rel
+    counter) adds the TAIL + 1 partials in slot order, so the output does
+    not depend on which one it is. Rows with n <= OWN have their output
+    already: their programs return at once."""
+    pdl_start(PDL)
+    i_r = tl.program_id(0).to(tl.int64)
+    i_j = tl.program_id(1)
+    n_sup = tl.load(vinfo_ptr + 3 * i_r)
+    if n_sup > OWN:
+        cw = tl.load(vinfo_ptr + 3 * i_r + 1)
+        per = tl.cdiv(tl.cdiv(n_sup - OWN, TAIL), BLOCK_C) * BLOCK_C
+        lo = OWN + i_j * per
+        hi = tl.minimum(lo + per, n_sup)
+        kvh = (i_r % HQ) // G
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_o = _support_pv(cx_ptr, ci_ptr, v_ptr, i_r * NSPLIT * CAP, cw, lo, hi, kvh, o_d, m_d, CAP,
+                          stride_vp, stride_vh, stride_vr, NSPLIT, P, BLOCK_C, BLOCK_D)
+        p_row = vpart_ptr + i_r * (TAIL + 1) * D
+        tl.store(p_row + (i_j + 1) * D + o_d, b_o, mask=m_d)
+        tl.debug_barrier()  # every thread's partial is stored before the release
+        arrived = tl.atomic_add(vinfo_ptr + 3 * i_r + 2, 1, sem="acq_rel", scope="gpu")
+        if arrived == TAIL - 1:
+            o_t = tl.arange(0, TAIL_P2)
+            b_all = tl.load(p_row + o_t[:, None] * D + o_d[None, :], mask=(o_t[:, None] <= TAIL) & m_d[None, :],
+                            other=0.0, volatile=True)
+            _store_row(out_ptr, tl.sum(b_all, axis=0), pscale, i_r, o_d, m_d, stride_ob, stride_oh, HQ, BETA_KIND)

@@ -11,9 +11,9 @@ from ..._checks import describe
 from ...types import Selection
 from ..config import KernelConfig, resolve
 from .._common import (alloc, as_slopes, beta_kind, cdiv, pos_args, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
-                       launch_count, launch_opts, next_pow2, split_f32)
+                       launch_count, launch_opts, next_pow2, num_sms, split_f32)
 from .combine import _attn_combine_kernel
-from .finish import _attn_finish_kernel, _attn_vacc_kernel
+from .finish import _attn_finish_kernel, _attn_vacc_kernel, _attn_vtail_kernel
 from .plan import _max_share, _plan
 from .solve import _attn_solve_kernel
 from .split import _attn_split_entmax_kernel, _attn_split_softmax_kernel
@@ -154,20 +154,37 @@ def _run(
         if finish:
             out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev) if out is None else out
             block_d = next_pow2(D)
+            block_c = max(16, min(c.finish_block, 8192 // block_d))
+            # the tail launch: only where a row can keep more tokens than the finish gathers
+            tail = 1
+            if c.finish_tail != 1 and W * P > c.finish_own:
+                tail = c.finish_tail if c.finish_tail > 1 else min(32, num_sms(dev) // R)
+            vpart = mem.empty((R, tail + 1, D), f32, dev) if tail > 1 else tau
+            vinfo = mem.empty((R, 3), torch.int32, dev) if tail > 1 else cn
             _attn_finish_kernel[(R,)](
-                cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out, done,
-                float(alpha), float(beta), am1, am1_lo, pscale, CAP,
+                cx, ci, cn, clb, cm, tinit, tau, cache.v_pages, out, done, vpart, vinfo,
+                float(alpha), float(beta), am1, am1_lo, pscale, CAP, c.finish_own, (tail + 1) * D,
                 svp, svh, svr, out.stride(0), out.stride(1),
                 HQ, G,
                 NSPLIT=NSPLIT, NS_P2=NS_P2, BLOCK_K=block_k, BLOCK_M=min(block_k, BLOCK_T),  # (divides CAP)
-                P=P, D=D, BLOCK_D=block_d, BLOCK_C=max(16, min(c.finish_block, 8192 // block_d)),
+                P=P, D=D, BLOCK_D=block_d, BLOCK_C=block_c,
                 BETA_KIND=bk, HAS_INIT=has_init,
                 HALLEY=c.halley_iters, POLISH=c.polish_iters, NEWTON_CAP=c.newton_max,
                 MODE=(0 if fits else 1) if c.solve_in_regs else 2, FUSED=fused, FORM=form,
-                PRUNE=c.finish_prune and not fits, POLL=poll == 2,
+                PRUNE=c.finish_prune and not fits, TAIL=tail > 1, POLL=poll == 2,
                 POLLS=c.poll_polls,
                 num_warps=c.finish_warps[0 if fits else 1], **opts,
             )
+            if tail > 1:
+                _attn_vtail_kernel[(R, tail)](
+                    cx, ci, cache.v_pages, out, vpart, vinfo,
+                    pscale, CAP, c.finish_own,
+                    svp, svh, svr, out.stride(0), out.stride(1),
+                    HQ, G,
+                    NSPLIT=NSPLIT, TAIL=tail, TAIL_P2=next_pow2(tail + 1),
+                    P=P, D=D, BLOCK_D=block_d, BLOCK_C=block_c, BETA_KIND=bk,
+                    num_warps=4, **launch_opts(dev, config.pdl),
+                )
             return out, tau.view(B, HQ)
         # the row max and the shifted threshold, for the V pass
         th = mem.empty((R, 2), torch.float64 if form == 2 else f32, dev)
