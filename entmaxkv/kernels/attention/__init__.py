@@ -37,7 +37,9 @@ shapes and the AttentionConfig):
 Entmax usually replaces 2-4 with one launch, finish.py's
 ``_attn_finish_kernel`` (grid B*HQ): the solve, then the support (p > 0)
 compacted into the head's own candidate lists and its V rows gathered, the
-output written directly (AttentionConfig.finish* say when).
+output written directly (AttentionConfig.finish* say when). A support
+longer than finish_own tokens has the rest of its V rows gathered by
+``_attn_vtail_kernel`` (grid B*HQ x finish_tail), which writes the output.
 """
 from .launch import attend, candidates, dense_attend, selection_tau
 
