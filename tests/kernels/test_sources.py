@@ -93,7 +93,7 @@ def test_pdl_kernels_wait_first():
         if "PDL" in [a.arg for a in fn.args.args]:
             check_waits_first(fn)
             found += 1
-    assert found == 19
+    assert found == 20
 
 
 def test_the_check_fails_on_a_late_wait():
