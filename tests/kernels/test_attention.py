@@ -329,9 +329,9 @@ def test_finish_tail_gathers_long_supports(alpha, dtype, G, D, P, slopes, own, t
     alone = AttentionConfig(finish_max_splits=128, finish_block=16, finish_tail=1)
     full = RP.select(Full(), q, cache, ids, alpha=alpha, scale=0.3, slopes=sl)
     M = full.pages.shape[2]
-    pages, counts = full.pages.clone(), full.counts.clone()
+    counts = full.counts.clone()
     counts[2] = 0  # a row with no kept page (zeros, tau = +inf)
-    sel = Selection(pages, counts)
+    sel = Selection(full.pages, counts)
     ws = Workspace(DEV)
     for run in ("dense", "selection"):
         got = []

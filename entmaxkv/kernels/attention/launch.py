@@ -11,10 +11,10 @@ from ..._checks import describe
 from ...types import Selection
 from ..config import KernelConfig, resolve
 from .._common import (alloc, as_slopes, beta_kind, cdiv, pos_args, dot_flags, entmax_form, interpreting, kernel_alpha, kv_strides,
-                       launch_count, launch_opts, next_pow2, num_sms, split_f32)
+                       launch_count, launch_opts, next_pow2, split_f32)
 from .combine import _attn_combine_kernel
 from .finish import _attn_finish_kernel, _attn_vacc_kernel, _attn_vtail_kernel
-from .plan import _max_share, _plan
+from .plan import _max_share, _plan, _tail_programs
 from .solve import _attn_solve_kernel
 from .split import _attn_split_entmax_kernel, _attn_split_softmax_kernel
 
@@ -155,10 +155,7 @@ def _run(
             out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev) if out is None else out
             block_d = next_pow2(D)
             block_c = max(16, min(c.finish_block, 8192 // block_d))
-            # the tail launch: only where a row can keep more tokens than the finish gathers
-            tail = 1
-            if c.finish_tail != 1 and W * P > c.finish_own:
-                tail = c.finish_tail if c.finish_tail > 1 else min(32, num_sms(dev) // R)
+            tail = _tail_programs(c, R, W, P, dev)
             vpart = mem.empty((R, tail + 1, D), f32, dev) if tail > 1 else tau
             vinfo = mem.empty((R, 3), torch.int32, dev) if tail > 1 else cn
             _attn_finish_kernel[(R,)](
@@ -183,7 +180,7 @@ def _run(
                     HQ, G,
                     NSPLIT=NSPLIT, TAIL=tail, TAIL_P2=next_pow2(tail + 1),
                     P=P, D=D, BLOCK_D=block_d, BLOCK_C=block_c, BETA_KIND=bk,
-                    num_warps=4, **launch_opts(dev, config.pdl),
+                    num_warps=4, **opts,
                 )
             return out, tau.view(B, HQ)
         # the row max and the shifted threshold, for the V pass

@@ -86,3 +86,13 @@ def _max_share(W: int, nsplit: int, min_per: int) -> int:
         for used in range(1, nsplit):
             share = max(share, cdiv(min(W, (used + 1) * min_per - 1), used))
     return share
+
+
+def _tail_programs(c: AttentionConfig, R: int, W: int, P: int, device) -> int:
+    """Programs per query head of _attn_vtail_kernel after the one-launch
+    finish of R = B * HQ rows keeping at most W pages of P tokens; 1: no
+    tail launch (finish_tail 1, or no row can keep more than finish_own
+    tokens, or the rows alone fill the SMs)."""
+    if c.finish_tail == 1 or W * P <= c.finish_own:
+        return 1
+    return c.finish_tail if c.finish_tail > 1 else max(1, min(32, num_sms(device) // R))
