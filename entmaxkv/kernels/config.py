@@ -46,8 +46,9 @@ class AttentionConfig:
     vacc_small_d: Tuple[int, int, bool] = (128, 4, True)
     vacc_large_d: Tuple[int, int, bool] = (32, 1, False)
     # Entmax finishes in one launch (_attn_finish_kernel) when lists always fit the
-    # solve tile, on the tl.dot path, or with <= finish_max_splits splits; its warps
-    # (lists that fit, the others) and V block (support tokens).
+    # solve tile or with <= finish_max_splits splits (many splits: the solve,
+    # V and combine launches spread the work wider); its warps (lists that
+    # fit, the others) and V block (support tokens).
     finish: bool = True
     finish_max_splits: int = 4
     finish_warps: Tuple[int, int] = (4, 8)

@@ -177,22 +177,24 @@ def test_finish_tail_wide_support(dtype, D, heads, alpha):
     cache, ids, q, _ = random_case([9000, 4100, 40], H, G, D, 16, dtype, seed=D + H, key_scale=flat, device="cuda")
     slopes = alibi(H * G).cuda() * 0.001  # (mild: long supports on every head)
     scale = 1.0 / math.sqrt(D)
-    alone = KernelConfig(attention=AttentionConfig(finish_tail=1))
+    # (the one-launch finish at any split count: the tail follows it only)
+    tail = KernelConfig(attention=AttentionConfig(finish_max_splits=128))
+    alone = KernelConfig(attention=AttentionConfig(finish_max_splits=128, finish_tail=1))
     full = RP.select(RP.Full(), q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
     ro, rtau = RA.attend(q.double(), cache, ids, full, alpha=alpha, scale=scale, slopes=slopes)
     x = (alpha - 1.0) * RA.selected_scores(q.double(), cache, ids, full, scale=scale, slopes=slopes)[0]
     assert int((x > rtau[..., None]).sum(-1).max()) > 2 * AttentionConfig().finish_own
-    for cfg in (None, alone):
+    for cfg in (tail, alone):
         o, tau = K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=cfg)
         assert rel_err(o, ro) < TOL[dtype] and float((tau.double() - rtau).abs().max()) < 1e-4
     pol = RP.Certified(seed=RP.TopK(1024))
     sel = K.select(pol, q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)
-    o, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes)
+    o, _ = K.attend(q, cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes, config=tail)
     so, _ = RA.attend(q.double(), cache, ids, sel, alpha=alpha, scale=scale, slopes=slopes)
     assert rel_err(o, so) < TOL[dtype]
 
     def step():
-        return K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes)[0]
+        return K.dense_attend(q, cache, ids, alpha=alpha, scale=scale, slopes=slopes, config=tail)[0]
 
     eo = step()
     g, go = capture(step)

@@ -164,22 +164,23 @@ def test_finish_prune_drops_candidates_below_the_rows_bound(alpha, mode, launche
     assert rel_err(outs[1], outs[0]) < 1e-6
 
 
-@pytest.mark.parametrize("G,want", [(1, "three"), (2, "one")], ids=["one-head", "tl.dot"])
-def test_finish_launch_rule(G, want, launches):
-    """Which finish runs: lists that may outgrow the register tile over more
-    than finish_max_splits splits keep the three launches on the one-head
-    path and take the one launch on the tl.dot path (what was measured
-    faster); lists that always fit take the one launch on both."""
+@pytest.mark.parametrize("G", [1, 2], ids=["one-head", "tl.dot"])
+def test_finish_launch_rule(G, launches):
+    """Which finish runs, on both paths: lists that may outgrow the register
+    tile over more than finish_max_splits splits take the three launches;
+    with finish_max_splits at the split count, or lists that always fit,
+    the one launch."""
     c0 = AttentionConfig(finish_max_splits=1)
     cache, ids, q, _ = case([300, 40], 2, G, 16, 4, torch.float32, seed=17, key_scale=0.005)
     cfg = _plan(c0, 2, 2, G, 16, cache.block_table.shape[1], 4, q.device, False, 4, dense=True)
     assert cfg["NSPLIT"] >= 2 and cfg["USE_DOT"] == (G > 1)
     full = RP.select(Full(), q, cache, ids, alpha=1.5, scale=0.3)
     ref, _ = RA.attend(q.double(), cache, ids, full, alpha=1.5, scale=0.3)
-    for tile, path in ((64, want), (2**16, "one")):  # (2**16: every list fits)
+    cases = ((64, 1, "three"), (64, cfg["NSPLIT"], "one"), (2**16, 1, "one"))  # (2**16: every list fits)
+    for tile, most, path in cases:
         launches.clear()
-        out, _ = K.dense_attend(q, cache, ids, alpha=1.5, scale=0.3,
-                                config=_cfg(dataclasses.replace(c0, solve_tile=tile)))
+        c = dataclasses.replace(c0, solve_tile=tile, finish_max_splits=most)
+        out, _ = K.dense_attend(q, cache, ids, alpha=1.5, scale=0.3, config=_cfg(c))
         ran = launches.names()
         assert ("_attn_finish_kernel" in ran) == (path == "one") and ("_attn_vacc_kernel" in ran) == (path == "three")
         assert rel_err(out, ref) < TOL[torch.float32]

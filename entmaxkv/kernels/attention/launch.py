@@ -90,7 +90,7 @@ def _run(
         pm = pl = clb  # unused
         block_k = max(4, c.solve_tile // NS_P2)  # [NS_P2, BLOCK_K] candidates per step
         fits = CAP <= block_k
-        finish = want_out and c.finish and (fits or cfg["USE_DOT"] or NSPLIT <= c.finish_max_splits)
+        finish = want_out and c.finish and (fits or NSPLIT <= c.finish_max_splits)
     # the split partials, read by _attn_vacc_kernel / _attn_combine_kernel only
     pacc = mem.empty((R, NSPLIT, D), f32, dev) if softmax or (want_out and not finish) else pm
     # (the bound's Newton step needs f convex, alpha <= 2, and u^beta to hold
