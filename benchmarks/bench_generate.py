@@ -161,10 +161,13 @@ class Clock:
         return time.perf_counter() - t0, out
 
 
-def kernel_profile(call, steps: int, top: int = 12) -> dict:
+def kernel_profile(call, steps: int, top: int = 32) -> dict:
     """{kernel name: mean device microseconds per step} of the ``top`` costliest
     kernels over ``steps`` calls, from torch.profiler's device events (graph
-    replays included)."""
+    replays included), and under ``"(all kernels)"`` their sum over every
+    kernel: without PDL (``--config pdl=False``), a step's time less that sum
+    is what lies between its launches. With PDL a kernel's time includes its
+    wait for the launch before."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -176,7 +179,9 @@ def kernel_profile(call, steps: int, top: int = 12) -> dict:
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per[ev.name] = per.get(ev.name, 0.0) + ev.device_time / steps
     ranked = sorted(per.items(), key=lambda kv: -kv[1])[:top]
-    return {name[:80]: round(us, 2) for name, us in ranked}
+    out = {name[:80]: round(us, 2) for name, us in ranked}
+    out["(all kernels)"] = round(sum(per.values()), 2)
+    return out
 
 
 def param_bytes(model) -> int:
@@ -426,7 +431,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                     help="weights and cache (default: float16 for the twin, bfloat16 for llama8b, float32 for tiny)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="also record each method's costliest kernels over STEPS profiled steps (CUDA)")
+                    help="also record each method's 32 costliest kernels and the sum over all "
+                         "its kernels, µs per step over STEPS profiled steps (CUDA)")
     ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
                     help="a KernelConfig field of the attention kernels, e.g. attention.finish_prune=True (repeatable)")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:ITEM[;ITEM]",
