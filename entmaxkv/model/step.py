@@ -30,8 +30,11 @@ default on the Triton backend on CUDA) they are ``entmaxkv.kernels.model``'s
 kernels: one RMSNorm launch fused with the residual add before it, one
 rotary launch for q and k, one SwiGLU product, the logits written in place:
 3 (NAPE) / 4 (RoPE) elementwise launches per bfloat16 layer, where the
-PyTorch code makes 22 / 56 (docs/prefill.md). Otherwise the step runs the
-model's PyTorch code.
+PyTorch code makes 22 / 56 (docs/prefill.md). The fused step also runs
+each layer's q, k and v projections as one product and SwiGLU's gate and
+up as one (``entmaxkv.model.pack``: the weights are packed once, the
+modules' parameters become views of the packed matrices). Otherwise the
+step runs the model's PyTorch code.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from ..graphs import StepGraphs
 from ..planner import Decoder
 from ..policies import Full, check_policy
 from .lm import TransformerLM, rope_inv_freq
+from .pack import PackedRows
 
 __all__ = ["ModelStep"]
 
@@ -128,6 +132,9 @@ class ModelStep:
         self._inv_freq = (rope_inv_freq(cfg.head_dim, cfg.rope_base, device)
                           if self.fused and cfg.positions == "rope" else None)
         self.layers = [cache.layer(i) for i in range(cfg.n_layers)]
+        # per block: (q|k|v, gate|up); packed here, outside any capture
+        self._packs = [(PackedRows([b.attn.wq, b.attn.wk, b.attn.wv], "model"),
+                        PackedRows([b.mlp.w_gate, b.mlp.w_up], "model")) for b in model.blocks] if self.fused else []
         self._captured: Dict[int, _Captured] = {}
         self._graphs = StepGraphs(self.decoder)  # by (batch size, dense)
         self.last_dense = False  # whether the last step ran the dense pass (the certified cost check)
@@ -143,6 +150,7 @@ class ModelStep:
         if not isinstance(tokens, torch.Tensor) or tokens.shape != (B,) or tokens.dtype != torch.long:
             raise ValueError(f"tokens: expected a long tensor of shape ({B},) (one per sequence), got "
                              f"{describe(tokens)}")
+        self._check_packs()
         positions = [self.cache.length(s) for s in seqs]  # host mirrors: no synchronisation
         slots = self.cache.reserve(seqs, 1)  # checks seqs; CacheFullError before any change
         self.decoder.plan(self.cache.block_table, self.cache.seq_lens, seqs)
@@ -166,6 +174,18 @@ class ModelStep:
         return c.logits
 
     __call__ = step
+
+    def _check_packs(self) -> None:
+        """Pack again any weight replaced since it was packed (checked for
+        every pack before any is changed), and drop the graphs that read the
+        old packed matrices."""
+        stale = [p for pair in self._packs for p in pair if p.stale()]
+        if stale:
+            for p in stale:
+                p.check()
+            for p in stale:
+                p.repack()
+            self._graphs.clear()
 
     def _body(self, c: _Captured, dense: bool, stats: Optional[list] = None) -> None:
         """The device half: reads c's buffers, writes c.logits (and appends
@@ -206,11 +226,14 @@ class ModelStep:
         x = m.embed(c.tokens)[:, None]  # [B, 1, C]: the residual stream
         B = x.shape[0]
         h = rms_norm(x, blocks[0].attn_norm.weight, blocks[0].attn_norm.eps)  # the block's input
+        hd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         for i, blk in enumerate(blocks):
             at = blk.attn
-            q = at.wq(h).view(B, 1, cfg.n_heads, cfg.head_dim)
-            k = at.wk(h).view(B, 1, cfg.n_kv_heads, cfg.head_dim)
-            v = at.wv(h).view(B, 1, cfg.n_kv_heads, cfg.head_dim)
+            qkv_w, gate_up_w = self._packs[i]
+            qkv = torch.nn.functional.linear(h, qkv_w.weight())  # [B, 1, (H + 2 KV) D]
+            q = qkv[..., :hd].view(B, 1, cfg.n_heads, cfg.head_dim)
+            k = qkv[..., hd:hd + kvd].view(B, 1, cfg.n_kv_heads, cfg.head_dim)
+            v = qkv[..., hd + kvd:].view(B, 1, cfg.n_kv_heads, cfg.head_dim)
             if self._inv_freq is not None:
                 q, k = rope_qk(q, k, c.positions[:, None], self._inv_freq)  # new contiguous tensors
             self.cache.write(k[:, 0], v[:, 0], c.slots, layer=i, backend=self.backend)
@@ -220,8 +243,8 @@ class ModelStep:
                 o, st = o
                 stats.append(st)
             h, x = add_rms_norm(x, at.wo(o.reshape(B, 1, -1).to(x.dtype)), blk.mlp_norm.weight, blk.mlp_norm.eps)
-            mlp = blk.mlp
-            d = mlp.w_down(silu_mul(mlp.w_gate(h), mlp.w_up(h)))
+            gate_up = torch.nn.functional.linear(h, gate_up_w.weight())  # [B, 1, 2 F]
+            d = blk.mlp.w_down(silu_mul(gate_up[..., :cfg.d_ff], gate_up[..., cfg.d_ff:]))
             last = i + 1 == len(blocks)
             norm = m.norm if last else blocks[i + 1].attn_norm
             h, x = add_rms_norm(x, d, norm.weight, norm.eps, keep_residual=not last)

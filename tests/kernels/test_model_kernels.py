@@ -225,15 +225,19 @@ def tiny(positions):
     return m
 
 
-def stepped(m, fused, backend, steps=3, kernel_config=None):
-    """Logits of ``steps`` decode steps of 2 rows (prompts of 13 tokens)."""
+def stepped(m, fused, backend, steps=3, kernel_config=None, change=None):
+    """Logits of ``steps`` decode steps of 2 rows (prompts of 13 tokens);
+    ``change(m)``, when given, runs after the ModelStep is made and before
+    the prefill."""
     cfg = m.cfg
     cache = PagedKVCache(40, 4, cfg.n_kv_heads, cfg.head_dim, max_seqs=2, max_pages_per_seq=20,
                          dtype=torch.float32, num_layers=cfg.n_layers)
     seqs = [cache.allocate(), cache.allocate()]
-    m.prefill_paged(torch.randint(0, 96, (2, 13), generator=gen(2)), cache, seqs)
     run = ModelStep(m, cache, Full(), backend=backend, fused=fused, kernel_config=kernel_config)
     assert run.fused == fused
+    if change is not None:
+        change(m)
+    m.prefill_paged(torch.randint(0, 96, (2, 13), generator=gen(2)), cache, seqs)
     toks = torch.randint(0, 96, (steps, 2), generator=gen(3))
     with torch.no_grad():
         return torch.stack([run.step(t, seqs).clone() for t in toks])
@@ -255,6 +259,35 @@ def test_fused_step_equals_the_unfused_step(positions, launches):
     per_layer = ["_model_rope_qk_kernel"] * (positions == "rope") + ["_model_add_rms_norm_kernel"] + per_layer
     step = ["_model_add_rms_norm_kernel"] + per_layer * m.cfg.n_layers
     assert [n for n in launches.names() if n.startswith("_model_")] == step * 3
+
+
+def test_fused_step_packs_projections_and_follows_replaced_weights():
+    """The fused step runs each layer's q|k|v and gate|up products from one
+    packed matrix each, which the modules' weights view (a second step
+    shares it); a weight replaced after the step was made is packed again
+    at the next step: the logits are the unfused step's with the new weight."""
+    m = tiny("rope")
+    cfg = m.cfg
+    cache = PagedKVCache(8, 4, cfg.n_kv_heads, cfg.head_dim, max_seqs=1, max_pages_per_seq=8,
+                         dtype=torch.float32, num_layers=cfg.n_layers)
+    first = ModelStep(m, cache, backend="triton", fused=True)
+    for blk in m.blocks:
+        for mods in ([blk.attn.wq, blk.attn.wk, blk.attn.wv], [blk.mlp.w_gate, blk.mlp.w_up]):
+            assert len({mod.weight.untyped_storage().data_ptr() for mod in mods}) == 1
+    second = ModelStep(m, cache, backend="triton", fused=True)
+    assert second._packs[1][1].weight().data_ptr() == first._packs[1][1].weight().data_ptr()
+    new = {"wv": torch.nn.Parameter(-1.5 * m.blocks[1].attn.wv.weight.detach()),
+           "w_up": torch.nn.Parameter(0.5 * m.blocks[0].mlp.w_up.weight.detach())}
+
+    def change(model):
+        model.blocks[1].attn.wv.weight = torch.nn.Parameter(new["wv"].detach().clone())
+        model.blocks[0].mlp.w_up.weight = torch.nn.Parameter(new["w_up"].detach().clone())
+
+    want_old = stepped(m, False, "reference")
+    got = stepped(m, True, "triton", change=change)
+    want = stepped(m, False, "reference")  # m now has the new weights
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(want_old, want) > 1e-2  # (the change shows: the comparison can fail)
 
 
 def test_step_kernel_config_reaches_the_attention(launches):
