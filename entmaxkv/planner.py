@@ -284,6 +284,12 @@ class Decoder:
         return self.device.type == "cuda" and self._ops.name == "triton"
 
     @property
+    def switches(self) -> bool:
+        """Whether the policy may run a step as the dense pass: the certified
+        policy with switching on (``dense_above`` < 1, ``probe_every`` > 1)."""
+        return self._switch
+
+    @property
     def plan_key(self) -> Optional[tuple]:
         """What a step captured in a CUDA graph reads of the last plan (the
         addresses and shapes of its block table, lengths and row ids): a

@@ -239,7 +239,9 @@ class Certified:
             (``planner.Decoder``; 1 never switches).
         probe_every: int >= 1: while dense, every probe_every-th step runs
             the selection again to see whether it still keeps that much
-            (1 never switches either).
+            (1 never switches either). ``ModelStep`` replaying CUDA graphs
+            decides by the two forms' measured times instead
+            (``entmaxkv.model.switch``), with the same two switches off.
 
     Needs entmax, whatever the seed: decode (check_policy) raises a
     ValueError naming ``alpha`` when alpha runs as softmax (alpha = 1, or

@@ -20,9 +20,11 @@ decoding; ``generate`` feeds it its stop token), so one graph serves every
 step.
 
 The certified policy's cost check runs per step for all layers at once:
-the decoder decides whether the step runs the dense pass (exact, certified
-by construction) or the certified selection, and the two are separate
-graphs.
+the step runs either the certified selection or the dense pass (exact,
+certified by construction), and the two are separate graphs. Eagerly the
+decoder's coverage rule decides (``Certified.dense_above``); with graphs
+the step times both forms' replays with CUDA events and runs the faster
+(``entmaxkv.model.switch``), trying the other every ``probe_every`` steps.
 
 Outside attention a decode step is a few rows of elementwise work, whose
 cost is its launches (a fixed cost each, replayed or not). With ``fused`` (the
@@ -50,6 +52,7 @@ from ..planner import Decoder
 from ..policies import Full, check_policy
 from .lm import TransformerLM, rope_inv_freq
 from .pack import PackedRows
+from .switch import TimedSwitch
 
 __all__ = ["ModelStep"]
 
@@ -137,6 +140,7 @@ class ModelStep:
                         PackedRows([b.mlp.w_gate, b.mlp.w_up], "model")) for b in model.blocks] if self.fused else []
         self._captured: Dict[int, _Captured] = {}
         self._graphs = StepGraphs(self.decoder)  # by (batch size, dense)
+        self._switches: Dict[int, TimedSwitch] = {}  # by batch size (certified, replayed steps)
         self.last_dense = False  # whether the last step ran the dense pass (the certified cost check)
 
     # ------------------------------------------------------------ the step
@@ -154,7 +158,15 @@ class ModelStep:
         positions = [self.cache.length(s) for s in seqs]  # host mirrors: no synchronisation
         slots = self.cache.reserve(seqs, 1)  # checks seqs; CacheFullError before any change
         self.decoder.plan(self.cache.block_table, self.cache.seq_lens, seqs)
-        dense = self.last_dense = self.decoder.dense_now(self.layers)
+        dense = self.decoder.dense_now(self.layers)
+        switch = None
+        if self.cuda_graph and self.decoder.switches and not return_stats:
+            switch = self._switches.get(B)
+            if switch is None:
+                switch = self._switches[B] = TimedSwitch(self.policy.probe_every)
+            switch.poll()
+            dense = switch.choose()
+        self.last_dense = dense
         c = self._captured.get(B)
         if c is None:
             c = self._captured[B] = _Captured(B, self.model.cfg.vocab_size, self.device,
@@ -169,7 +181,13 @@ class ModelStep:
         if not self.cuda_graph:
             self._body(c, dense)
             return c.logits
-        if self._graphs.run((B, dense), lambda: self._body(c, dense)):
+        start = switch.begin() if switch is not None else None
+        captured = (B, dense) in self._graphs.keys()
+        replayed = self._graphs.run((B, dense), lambda: self._body(c, dense))
+        if switch is not None:
+            # not the replay right after a capture: it runs slower than the later ones
+            switch.end(start, dense, keep=replayed and captured)
+        if replayed:
             self.decoder.replayed(self.layers, dense)
         return c.logits
 

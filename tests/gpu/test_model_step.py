@@ -3,7 +3,8 @@
 - ``generate`` with ``cuda_graph=True`` (one replayed graph per step) gives
   the eager steps' tokens and, to rounding, their logits, for every policy,
   on the NAPE entmax model and a RoPE softmax model, batch 3;
-- certified gives Full's tokens, through its dense switch too;
+- certified gives Full's tokens, through its dense switch too; with
+  graphs it times both forms and runs each, Full's logits throughout;
 - after the first steps nothing is captured again and a replayed step
   allocates no device memory;
 - prefill on the GPU (fused kernel / SDPA), one-shot and chunked, gives the
@@ -68,6 +69,39 @@ def test_certified_equals_full_through_the_dense_switch():
     full = generate(m, prompt, NEW, policy=Full(), page_size=16)
     for pol in (Certified(seed=TopK(64)), Certified(seed=TopK(64), dense_above=1e-6, probe_every=4)):
         assert torch.equal(generate(m, prompt, NEW, policy=pol, page_size=16).tokens, full.tokens)
+
+
+def test_certified_replays_time_both_forms_and_equal_full():
+    """With graphs the certified step times its selection and its dense
+    pass (CUDA events, read without waiting: the synchronisations here only
+    make the order of the choices fixed) and runs both: the selection
+    until it has a time, the dense pass until it has one (each timed from
+    its second replay), then never four steps without each form
+    (probe_every=4); both graphs are captured and
+    every step's logits are Full's to rounding."""
+    m = model("entmax", "nape")
+    cfg = m.cfg
+    prompt = torch.randint(0, 512, (2, 900), generator=torch.Generator().manual_seed(3)).cuda()
+    toks = torch.randint(0, 512, (24, 2), generator=torch.Generator().manual_seed(4)).cuda()
+    out, forms = {}, []
+    for name, pol in (("full", Full()), ("certified", Certified(seed=TopK(64), probe_every=4))):
+        cache = PagedKVCache(300, 16, cfg.n_kv_heads, cfg.head_dim, max_seqs=2, max_pages_per_seq=120,
+                             device="cuda", num_layers=cfg.n_layers)
+        seqs = [cache.allocate(), cache.allocate()]
+        m.prefill_paged(prompt, cache, seqs)
+        run = ModelStep(m, cache, pol)
+        logits = []
+        for t in toks:
+            logits.append(run.step(t, seqs).clone())
+            forms.append(run.last_dense)
+            torch.cuda.synchronize()
+        out[name] = torch.stack(logits)
+    forms = forms[len(toks):]  # the certified steps'
+    assert run.graphs() == [(2, False), (2, True)]
+    # warm-up, capture (and its replay, not timed), a timed replay; the dense pass likewise
+    assert forms[:6] == [False, False, False, True, True, True]
+    assert all(len(set(forms[i:i + 4])) == 2 for i in range(6, len(forms) - 3))
+    assert rel_err(out["certified"], out["full"]) < 1e-5
 
 
 def test_replays_capture_once_and_allocate_nothing():
