@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from entmaxkv import CacheFullError, PagedKVCache
-from entmaxkv.model.generate import generate
+from entmaxkv.model.generate import Stops, generate
 from entmaxkv.model.lm import ModelConfig, TransformerLM, causal_attention
 from entmaxkv.model.step import ModelStep
 from entmaxkv.policies import Certified, Full, Gaussian, TopK
@@ -99,6 +99,26 @@ def test_stop_token_fills_finished_rows():
         assert torch.equal(got[b, :n], free[b, :n])
         assert (got[b, n:] == stop).all()
     assert first[0] <= 3 and (got[0, first[0]:] == stop).all()
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_stop_flags_read_late_keep_the_steps_up_to_the_stop(lag):
+    """Stops reads each step's flag ``lag`` steps late (generate uses 1 on
+    CUDA): the loop runs ``lag`` steps past the first all-stopped step and
+    ``kept`` trims them; flags left unread when the loop ends are read by
+    ``kept``; with no stop every step is kept."""
+    cpu = torch.device("cpu")
+    stops, ran = Stops(cpu, lag), 0
+    for flag in [False, False, True, True, True, True]:
+        ran += 1
+        if stops.add(torch.tensor(flag)):
+            break
+    assert ran == 3 + lag and stops.kept() == 3
+    late = Stops(cpu, lag)
+    stopped = [late.add(torch.tensor(f)) for f in [False, False, False, True]]
+    assert stopped == [False] * 3 + [lag == 0] and late.kept() == 4
+    never = Stops(cpu, lag)
+    assert not any(never.add(torch.tensor(False)) for _ in range(5)) and never.kept() is None
 
 
 @pytest.mark.parametrize("attention", ["entmax", "softmax"])

@@ -210,6 +210,54 @@ def _prompt_tensor(prompt, vocab: int) -> torch.Tensor:
     return _check_tokens(prompt.to(torch.long), "prompt", (None, None), vocab)
 
 
+class Stops:
+    """Whether every row has produced the stop token, read without stalling
+    the device.
+
+    ``add(all_done)`` after each step (a bool scalar tensor on the device)
+    returns whether to stop. With ``lag`` = 0 it reads that step's flag at
+    once. On CUDA ``generate`` uses ``lag`` = 1: each flag is copied to
+    pinned memory behind its step and read (an event wait, no device
+    synchronisation) after the next step has been queued, so the host
+    prepares a step while the device still runs the one before. A
+    generation may then run one step past its end; ``kept()`` says how
+    many steps to keep (None: all), reading the flags not read yet.
+    """
+
+    def __init__(self, device: torch.device, lag: int) -> None:
+        self.lag = as_int(lag, "lag", lo=0)
+        self.stopped: Optional[int] = None  # the first step after which every row had stopped
+        self._flags: list = []
+        self._pinned = ([torch.zeros((), dtype=torch.bool, pin_memory=True) for _ in range(self.lag + 2)]
+                        if device.type == "cuda" else None)
+
+    def add(self, all_done: torch.Tensor) -> bool:
+        i = len(self._flags)
+        if self._pinned is not None:
+            host = self._pinned[i % len(self._pinned)]  # not the slot of a flag still unread
+            host.copy_(all_done, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._flags.append((host, event))
+        else:
+            self._flags.append((all_done, None))
+        return self._read(i - self.lag)
+
+    def _read(self, i: int) -> bool:
+        if self.stopped is None and i >= 0:
+            flag, event = self._flags[i]
+            if event is not None:
+                event.synchronize()
+            if bool(flag):
+                self.stopped = i
+        return self.stopped is not None
+
+    def kept(self) -> Optional[int]:
+        for i in range(max(0, len(self._flags) - self.lag), len(self._flags)):
+            self._read(i)
+        return None if self.stopped is None else self.stopped + 1
+
+
 @dataclass
 class Generation:
     tokens: torch.Tensor  # long [B, new]
@@ -248,9 +296,10 @@ def generate(
     with ``seed`` (an int >= 0; deterministic); see ``sample_next`` for
     ``top_k`` and ``top_p``. ``stop_token``: an id in [0, vocab), stop once
     every row has produced it; a row that stopped earlier is filled with
-    it up to the longest row. Every argument is checked before any work
-    (ValueError naming it); the policy against the model's alpha and
-    ``page_size``.
+    it up to the longest row (on CUDA the check reads each step's flag one
+    step later, without a device synchronisation: ``Stops``). Every
+    argument is checked before any work (ValueError naming it); the policy
+    against the model's alpha and ``page_size``.
 
     The steps run through ``ModelStep``: on CUDA each step is one replayed
     CUDA graph (``cuda_graph=False``: eager launches); the prompt goes into
@@ -305,6 +354,7 @@ def generate(
     cur = prompt[:, -1].to(device)
     out, logits_all, stats = [], [], []
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    stops = Stops(device, lag=1 if device.type == "cuda" else 0) if stop_token is not None else None
     for _ in range(max_new_tokens):
         res = step(cur)
         logits, st = (res if return_stats else (res, None))
@@ -319,8 +369,11 @@ def generate(
             cur = torch.where(done, torch.full_like(cur, stop_token), cur)
             done |= cur == stop_token
         out.append(cur)
-        if stop_token is not None and bool(done.all()):
+        if stops is not None and stops.add(done.all()):
             break
+    keep = stops.kept() if stops is not None else None
+    if keep is not None:  # (on CUDA the loop may have run one step past the end)
+        del out[keep:], logits_all[keep:], stats[keep:]
     return Generation(
         tokens=torch.stack(out, 1).cpu(),
         logits=torch.stack(logits_all, 1).cpu() if keep_logits else None,

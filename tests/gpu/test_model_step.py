@@ -71,6 +71,23 @@ def test_certified_equals_full_through_the_dense_switch():
         assert torch.equal(generate(m, prompt, NEW, policy=pol, page_size=16).tokens, full.tokens)
 
 
+def test_stop_token_on_cuda_reads_flags_late_and_trims():
+    """Greedy generation with a stop token on CUDA (each step's flag read a
+    step later): the rows equal the run without a stop up to their stop,
+    repeat it after, and the generation ends at the step every row had
+    stopped, not the step after."""
+    m = model("entmax", "nape")
+    prompt = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(7))
+    free = generate(m, prompt, 24, policy=TopK(64), page_size=16).tokens
+    stop = int(free[0, 3])
+    first = [int((r == stop).nonzero()[0]) if (r == stop).any() else None for r in free]
+    got = generate(m, prompt, 24, policy=TopK(64), page_size=16, stop_token=stop).tokens
+    ends = [24 if f is None else f + 1 for f in first]
+    assert got.shape[1] == max(ends)
+    for b in range(2):
+        assert torch.equal(got[b, :ends[b]], free[b, :ends[b]]) and (got[b, ends[b]:] == stop).all()
+
+
 def test_certified_replays_time_both_forms_and_equal_full():
     """With graphs the certified step times its selection and its dense
     pass (CUDA events, read without waiting: the synchronisations here only
