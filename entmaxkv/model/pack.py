@@ -70,6 +70,8 @@ class PackedRows:
                 start += n
         self._packed = packed
         self._ptrs = [lin.weight.data_ptr() for lin in self.linears]
+        # the modules' parameter dicts (kept across assignments): read without nn.Module's __getattr__
+        self._params = [lin._parameters for lin in self.linears]
 
     def _packed_already(self):
         """The packed matrix as a view, when the weights are consecutive row
@@ -86,7 +88,10 @@ class PackedRows:
 
     def stale(self) -> bool:
         """Whether some module's weight is no longer a view of the packed matrix."""
-        return any(lin.weight.data_ptr() != p for lin, p in zip(self.linears, self._ptrs))
+        for params, ptr in zip(self._params, self._ptrs):
+            if params["weight"].data_ptr() != ptr:
+                return True
+        return False
 
     def weight(self) -> torch.Tensor:
         """The packed matrix [sum of out_features, in_features] (no grad)."""
