@@ -6,7 +6,11 @@ For each model, batch and prompt length, in one process:
   then every policy decoding greedily through ``ModelStep`` (one replayed
   CUDA graph per step): ``--steps`` timed steps after ``--warmup`` (which
   include the capture), each timed with CUDA events around the whole call
-  (host half + replay), median;
+  (host half + replay, then a synchronisation), median (``ms_per_step``);
+  then ``--steps`` more back to back, the next token fed from the last
+  step's logits on the device and one synchronisation at the end, as
+  ``generate`` runs without a stop token (the host half of a step overlaps
+  the device half of the one before): their mean is ``ms_per_token_piped``;
 - ``full``: our dense paged kernel in the same captured model (the strongest
   dense decode: the targets are against it);
 - ``certified_sketch`` (twin): the certified policy with a TopK(256) seed on
@@ -151,6 +155,11 @@ class Clock:
         call()
         return (time.perf_counter() - t0) * 1e3
 
+    def span(self, call) -> float:
+        """Milliseconds of ``call()`` with one synchronisation at its end
+        (CUDA events around it), wall time elsewhere."""
+        return self.time(call)
+
     def wall(self, call) -> float:
         if self.cuda:
             torch.cuda.synchronize()
@@ -289,6 +298,13 @@ class StaticSDPA:
         return out
 
 
+def piped_steps(step, tok: torch.Tensor, seqs, n: int) -> None:
+    """``n`` greedy steps back to back: each step's token is the argmax of
+    the last step's logits, on the device (no synchronisation)."""
+    for _ in range(n):
+        tok = step(tok, seqs).argmax(-1)
+
+
 def warm_prefill(model, prompt, args) -> None:
     """Prefill a short prompt in two chunks first, so the timed prefill does
     not include compiling its kernels (a whole-prompt chunk and one over
@@ -307,7 +323,7 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
     rows = []
     paged_methods = [m for m in methods if m != "sdpa_static"]
     if paged_methods:
-        total = n + len(paged_methods) * len(args.variants) * (args.warmup + args.steps + args.profile + 2)
+        total = n + len(paged_methods) * len(args.variants) * (args.warmup + 2 * args.steps + args.profile + 2)
         cache = paged_cache(model, B, total, args.page_size)
         seqs = [cache.allocate() for _ in range(B)]
         with alpha_as(model, args.prefill_alpha):
@@ -342,13 +358,15 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
 
                         ts.append(clock.time(call))
                         tok = out["logits"].argmax(-1)
+                    piped = clock.span(lambda: piped_steps(run.step, tok, seqs, args.steps)) / args.steps
                     if args.profile and device.type == "cuda":
                         profiles.append((row, run, tok))
                     _, stats = run.step(tok, seqs, return_stats=True)
                     ms = statistics.median(ts)
                     floor_ms = floor_bytes_paged(model, stats, cache, name) / bandwidth * 1e3
                     cov = float(torch.stack([s.coverage.float().mean() for s in stats]).mean())
-                    row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms,
+                    row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, ms_per_token_piped=piped,
+                               tokens_per_s_piped=B * 1e3 / piped, floor_ms=floor_ms,
                                ratio_to_floor=ms / floor_ms, graphs=len(run.graphs()), coverage=cov)
             except Exception as exc:  # noqa: BLE001 - recorded; the other methods still run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -369,15 +387,17 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
         row = {"model": suite, "batch": B, "n": n, "method": "sdpa_static"}
         try:
             with alpha_as(model, 1.0):
-                base = StaticSDPA(model, B, n + args.warmup + args.steps + 2)
+                base = StaticSDPA(model, B, n + args.warmup + 2 * args.steps + 2)
                 row["prefill_s"], _ = clock.wall(lambda: base.prefill(prompt, args.prefill_chunk))
                 tok = prompt[:, -1]
                 for _ in range(args.warmup):
                     tok = base.step(tok).argmax(-1)
                 ts = [clock.time(base.step_fn(tok)) for _ in range(args.steps)]
                 ms = statistics.median(ts)
+                piped = clock.span(lambda: piped_steps(lambda t, _: base.step(t), tok, None, args.steps)) / args.steps
                 floor_ms = (param_bytes(model) + base.k.numel() * base.k.element_size() * 2) / bandwidth * 1e3
-                row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms)
+                row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, ms_per_token_piped=piped,
+                           tokens_per_s_piped=B * 1e3 / piped, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms)
                 del base
         except Exception as exc:  # noqa: BLE001 - recorded (e.g. out of memory at the longest prompts)
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
