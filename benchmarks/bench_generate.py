@@ -155,11 +155,6 @@ class Clock:
         call()
         return (time.perf_counter() - t0) * 1e3
 
-    def span(self, call) -> float:
-        """Milliseconds of ``call()`` with one synchronisation at its end
-        (CUDA events around it), wall time elsewhere."""
-        return self.time(call)
-
     def wall(self, call) -> float:
         if self.cuda:
             torch.cuda.synchronize()
@@ -358,7 +353,7 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
 
                         ts.append(clock.time(call))
                         tok = out["logits"].argmax(-1)
-                    piped = clock.span(lambda: piped_steps(run.step, tok, seqs, args.steps)) / args.steps
+                    piped = clock.time(lambda: piped_steps(run.step, tok, seqs, args.steps)) / args.steps
                     if args.profile and device.type == "cuda":
                         profiles.append((row, run, tok))
                     _, stats = run.step(tok, seqs, return_stats=True)
@@ -394,7 +389,7 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
                     tok = base.step(tok).argmax(-1)
                 ts = [clock.time(base.step_fn(tok)) for _ in range(args.steps)]
                 ms = statistics.median(ts)
-                piped = clock.span(lambda: piped_steps(lambda t, _: base.step(t), tok, None, args.steps)) / args.steps
+                piped = clock.time(lambda: piped_steps(lambda t, _: base.step(t), tok, None, args.steps)) / args.steps
                 floor_ms = (param_bytes(model) + base.k.numel() * base.k.element_size() * 2) / bandwidth * 1e3
                 row.update(ms_per_step=ms, tokens_per_s=B * 1e3 / ms, ms_per_token_piped=piped,
                            tokens_per_s_piped=B * 1e3 / piped, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms)

@@ -44,3 +44,9 @@ def test_the_median_of_recent_times_decides():
 def test_probe_every_is_checked(bad):
     with pytest.raises(ValueError, match="probe_every"):
         TimedSwitch(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_keep_is_checked(bad):
+    with pytest.raises(ValueError, match="keep"):
+        TimedSwitch(4, keep=bad)

@@ -158,7 +158,6 @@ class ModelStep:
         positions = [self.cache.length(s) for s in seqs]  # host mirrors: no synchronisation
         slots = self.cache.reserve(seqs, 1)  # checks seqs; CacheFullError before any change
         self.decoder.plan(self.cache.block_table, self.cache.seq_lens, seqs)
-        dense = self.decoder.dense_now(self.layers)
         switch = None
         if self.cuda_graph and self.decoder.switches and not return_stats:
             switch = self._switches.get(B)
@@ -166,6 +165,8 @@ class ModelStep:
                 switch = self._switches[B] = TimedSwitch(self.policy.probe_every)
             switch.poll()
             dense = switch.choose()
+        else:
+            dense = self.decoder.dense_now(self.layers)
         self.last_dense = dense
         c = self._captured.get(B)
         if c is None:
@@ -181,10 +182,12 @@ class ModelStep:
         if not self.cuda_graph:
             self._body(c, dense)
             return c.logits
-        start = switch.begin() if switch is not None else None
-        captured = (B, dense) in self._graphs.keys()
-        replayed = self._graphs.run((B, dense), lambda: self._body(c, dense))
-        if switch is not None:
+        if switch is None:
+            replayed = self._graphs.run((B, dense), lambda: self._body(c, dense))
+        else:
+            captured = (B, dense) in self._graphs.keys()
+            start = switch.begin()
+            replayed = self._graphs.run((B, dense), lambda: self._body(c, dense))
             # not the replay right after a capture: it runs slower than the later ones
             switch.end(start, dense, keep=replayed and captured)
         if replayed:

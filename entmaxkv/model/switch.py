@@ -6,12 +6,13 @@ A step may therefore run whichever is faster, and which one that is
 depends on the batch, the lengths and how much the selection keeps: a
 selection that keeps a given fraction of the pages can beat the dense
 pass at one long row and lose to it at a batch of shorter ones, whose
-rows the dense pass reads in parallel. The coverage rule (``Certified.dense_above``) guesses from the kept fraction alone.
-Where ``ModelStep`` replays whole steps from CUDA graphs it measures
-instead: a CUDA event pair around each replay, read once both have
-completed (never waited on), and the form with the lower recent median
-runs; the other form runs again every ``probe_every`` steps so that a
-change (longer rows, a selection that keeps less) is seen.
+rows the dense pass reads in parallel. The coverage rule
+(``Certified.dense_above``) guesses from the kept fraction alone. Where
+``ModelStep`` replays whole steps from CUDA graphs it measures instead: a
+CUDA event pair around each replay, read once both have completed (never
+waited on), and the form with the lower recent median runs; the other
+form runs again every ``probe_every`` steps so that a change (longer
+rows, a selection that keeps less) is seen.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from collections import deque
 from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
+
+from .._checks import as_int
 
 __all__ = ["TimedSwitch"]
 
@@ -38,9 +41,8 @@ class TimedSwitch:
     """
 
     def __init__(self, probe_every: int, keep: int = 3) -> None:
-        if not isinstance(probe_every, int) or probe_every < 2:
-            raise ValueError(f"probe_every: expected an int >= 2, got {probe_every!r}")
-        self.probe_every = probe_every
+        self.probe_every = as_int(probe_every, "probe_every", lo=2)
+        keep = as_int(keep, "keep", lo=1)
         self.times: Dict[bool, Deque[float]] = {False: deque(maxlen=keep), True: deque(maxlen=keep)}
         self._since_probe = 0
         self._pending: List[Tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []
