@@ -65,3 +65,17 @@ def test_unpackable_modules_are_refused():
         PackedRows([at.wq, nn.Linear(40, 8)], "model")
     with pytest.raises(ValueError, match="model: expected weights with one in_features"):
         PackedRows([at.wq, nn.Linear(8, 8, bias=False)], "model")
+
+
+def test_a_replacement_of_another_shape_is_refused():
+    """The packed split is fixed: a weight replaced by one of another row
+    count is refused at repack, naming the argument, and nothing changes."""
+    m = model()
+    at = m.blocks[0].attn
+    qkv = PackedRows([at.wq, at.wk, at.wv], "model")
+    before = qkv.weight().clone()
+    at.wk.weight = nn.Parameter(torch.randn(24, 40))
+    assert qkv.stale()
+    with pytest.raises(ValueError, match="model: expected a weight of 20 rows"):
+        qkv.repack()
+    assert torch.equal(qkv.weight(), before)

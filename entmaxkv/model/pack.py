@@ -47,10 +47,13 @@ class PackedRows:
     def check(self) -> None:
         """Raise ValueError unless the modules can be packed."""
         first = self.linears[0].weight
-        for lin in self.linears:
+        for lin, n in zip(self.linears, self.sizes):
             if not isinstance(lin, nn.Linear) or lin.bias is not None:
                 raise ValueError(f"{self.name}: expected bias-free nn.Linear modules, got {describe(lin)}")
             w = lin.weight
+            if w.dim() != 2 or w.shape[0] != n:
+                raise ValueError(f"{self.name}: expected a weight of {n} rows (the packed split), got "
+                                 f"{tuple(w.shape)}")
             if w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device:
                 raise ValueError(f"{self.name}: expected weights with one in_features, dtype and device, got "
                                  f"{tuple(first.shape)} {first.dtype} on {first.device} and {tuple(w.shape)} "
