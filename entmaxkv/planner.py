@@ -21,7 +21,10 @@ of that layer run the dense pass instead (full-cache attention, so the
 result is exact and certified by construction), trying the selection again
 every ``Certified.probe_every`` steps. The coverage is read back
 asynchronously (a copy to pinned memory, read once it has landed): no step
-waits for it.
+waits for it. A caller that chooses each step's form itself
+(``dense_rule="caller"``, e.g. ``ModelStep`` timing both forms) passes
+``dense`` to every ``run``; the coverage is then neither computed nor read
+back.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from .workspace import Workspace
 
 __all__ = ["Decoder"]
 
+DENSE_RULES = ("coverage", "caller")
 _MAX_GRAPHS = 256  # captured steps kept per decoder (least recently used dropped first)
 
 
@@ -84,6 +88,10 @@ class Decoder:
         kernel_config: an ``entmaxkv.kernels.KernelConfig`` or None.
         cuda_graphs: replay each (layer, plan shape)'s launches from a CUDA
             graph after its first run (CUDA only; ignored elsewhere).
+        dense_rule: how a certified step chooses between its selection and
+            the dense pass when ``run`` gets ``dense=None``: "coverage" (the
+            kept-fraction rule above) or "caller" (the caller passes
+            ``dense``; None runs the selection; no coverage is computed).
 
     Example::
 
@@ -110,6 +118,7 @@ class Decoder:
         backend: str = "auto",
         kernel_config=None,
         cuda_graphs: bool = True,
+        dense_rule: str = "coverage",
     ) -> None:
         from .decode import _check_kernel_config
 
@@ -134,6 +143,8 @@ class Decoder:
         # the certified policy's cost check (off for other policies and with probe_every 1)
         cert = isinstance(self.policy, Certified)
         self._switch = cert and self.policy.probe_every > 1 and self.policy.dense_above < 1.0
+        self.dense_rule = as_choice(dense_rule, "dense_rule", DENSE_RULES)
+        self._coverage = self._switch and self.dense_rule == "coverage"
         self.slopes = self._check_slopes(alibi_slopes)
         self._ws = Workspace(self.device)
         self._ids_buf = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -313,8 +324,9 @@ class Decoder:
         """Whether the next step of these layers (their ``run`` objects)
         should run the dense pass: the certified cost check decided for a
         whole step (most layers' decision), for a caller that captures all
-        layers in one graph. Always False for other policies."""
-        if not self._switch:
+        layers in one graph. Always False for other policies and under
+        ``dense_rule="caller"``."""
+        if not self._coverage:
             return False
         votes = [self._dense_now(id(kv)) for kv in layers]
         return 2 * sum(votes) > len(votes)
@@ -342,7 +354,7 @@ class Decoder:
         policy = Full() if dense else self.policy
         sel, o, tau, ub = run_step(self._ops, policy, q, layer, ids, self.alpha, self.scale, self.slopes,
                                    need_bounds=return_stats, ws=self._ws, out=out)
-        if self._switch and not dense:
+        if self._coverage and not dense:
             self._save_coverage(lkey, sel, layer, ids)
         if not return_stats:
             return o
@@ -395,7 +407,7 @@ class Decoder:
     def _dense_now(self, lkey) -> bool:
         """Whether this step of layer ``lkey`` runs the certified policy as
         the dense pass (see the module docstring)."""
-        if not self._switch:
+        if not self._coverage:
             return False
         st = self._cert.get(lkey)
         if st is None:
@@ -420,7 +432,7 @@ class Decoder:
 
     def _after_step(self, lkey, dense: bool) -> None:
         st = self._cert.get(lkey)
-        if st is None or not self._switch:
+        if st is None or not self._coverage:
             return
         if dense:
             st.since_probe += 1

@@ -164,6 +164,39 @@ def test_certified_runs_dense_when_it_reads_most_pages():
     assert not dec2._cert[id(cache2.layer())].dense
 
 
+def test_certified_caller_rule_reads_no_coverage():
+    """dense_rule="caller": the caller picks each step's form (``dense``).
+    dense=None runs the selection even where the coverage rule switches to
+    the dense pass (i.i.d. keys: every page kept), no layer computes or
+    reads back its kept fraction, and both forms equal Full, certified."""
+    pol = Certified(seed=TopK(8), probe_every=3)
+    cache, ids, q, _ = random_case([300, 200], 2, 2, 16, 4, torch.float32, seed=1, key_scale=0.3)
+    dec = _decoder(cache, pol, q, "reference", dense_rule="caller")
+    full = decode(q, cache, ids, Full())
+    for _ in range(4):
+        out, st = dec.plan_cache(cache, ids).run(q, cache.layer(), return_stats=True)
+        assert bool(st.certified.all()) and rel_err(out, full) < 1e-6
+        assert not dec.dense_now([cache.layer()])
+    assert dec.switches and dec._cert == {}
+    # peaked keys: the selection keeps few pages, the dense pass all of them
+    gen = torch.Generator().manual_seed(2)
+    qp = torch.randn(2, 4, 16, generator=gen)
+    peaked = PagedKVCache(200, 4, 2, 16, max_seqs=2, dtype=torch.float32)
+    for b, n in enumerate((300, 200)):
+        k = torch.randn(n, 2, 16, generator=gen) * 0.05
+        k[n - 1] = qp[b].view(2, 2, 16).sum(1) * 2
+        peaked.allocate(k, torch.randn(n, 2, 16, generator=gen))
+    dec = _decoder(peaked, pol, qp, "reference", dense_rule="caller")
+    full = decode(qp, peaked, [0, 1], Full())
+    for dense, kept in ((None, 0.1), (True, 1.0), (False, 0.1)):
+        out, st = dec.plan_cache(peaked, [0, 1]).run(qp, peaked.layer(), return_stats=True, dense=dense)
+        assert bool(st.certified.all()) and rel_err(out, full) < 1e-6
+        assert (float(st.coverage.min()) == 1.0) if kept == 1.0 else (float(st.coverage.max()) < kept)
+    assert dec._cert == {}
+    with pytest.raises(ValueError, match="dense_rule"):
+        _decoder(peaked, pol, qp, "reference", dense_rule="timed")
+
+
 def test_workspace_sized_once():
     """The first run sizes the workspace; later runs of the same shapes fit."""
     pytest.importorskip("triton")

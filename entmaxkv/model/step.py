@@ -24,7 +24,9 @@ the step runs either the certified selection or the dense pass (exact,
 certified by construction), and the two are separate graphs. Eagerly the
 decoder's coverage rule decides (``Certified.dense_above``); with graphs
 the step times both forms' replays with CUDA events and runs the faster
-(``entmaxkv.model.switch``), trying the other every ``probe_every`` steps.
+(``entmaxkv.model.switch``), trying the other every ``probe_every`` steps,
+and the layers no longer compute their kept fraction (steps with
+statistics then run the selection).
 
 Outside attention a decode step is a few rows of elementwise work, whose
 cost is its launches (a fixed cost each, replayed or not). With ``fused`` (the
@@ -117,12 +119,19 @@ class ModelStep:
         backend = as_choice(backend, "backend", BACKENDS)
         self.model, self.cache, self.device = model, cache, device
         slopes = model.slopes if bool((model.slopes != 0).any()) else None
-        self.decoder = Decoder(self.policy, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                               page_size=cache.page_size, alpha=cfg.attn_alpha, scale=model.scale,
-                               alibi_slopes=slopes, device=device, backend=backend, cuda_graphs=False,
-                               kernel_config=kernel_config)
+        def decoder(rule: str) -> Decoder:
+            return Decoder(self.policy, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                           page_size=cache.page_size, alpha=cfg.attn_alpha, scale=model.scale,
+                           alibi_slopes=slopes, device=device, backend=backend, cuda_graphs=False,
+                           kernel_config=kernel_config, dense_rule=rule)
+
+        self.decoder = decoder("coverage")
         self.backend = backend
         self.cuda_graph = as_bool(cuda_graph, "cuda_graph") and self.decoder.capturable
+        if self.cuda_graph and self.decoder.switches:
+            # the timed switch chooses every replayed step's form: no layer
+            # computes its kept fraction or copies it to the host
+            self.decoder = decoder("caller")
         if fused is None:
             self.fused = self.decoder._ops.name == "triton" and device.type == "cuda"
         else:
@@ -190,7 +199,7 @@ class ModelStep:
             replayed = self._graphs.run((B, dense), lambda: self._body(c, dense))
             # not the replay right after a capture: it runs slower than the later ones
             switch.end(start, dense, keep=replayed and captured)
-        if replayed:
+        if replayed and switch is None:
             self.decoder.replayed(self.layers, dense)
         return c.logits
 
