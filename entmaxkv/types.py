@@ -241,7 +241,9 @@ class Certified:
             the selection again to see whether it still keeps that much
             (1 never switches either). ``ModelStep`` replaying CUDA graphs
             decides by the two forms' measured times instead
-            (``entmaxkv.model.switch``), with the same two switches off.
+            (``entmaxkv.model.switch``; there the wait between probes
+            doubles while they confirm the choice, up to 8 x probe_every),
+            with the same two switches off.
 
     Needs entmax, whatever the seed: decode (check_policy) raises a
     ValueError naming ``alpha`` when alpha runs as softmax (alpha = 1, or

@@ -11,8 +11,11 @@ rows the dense pass reads in parallel. The coverage rule
 ``ModelStep`` replays whole steps from CUDA graphs it measures instead: a
 CUDA event pair around each replay, read once both have completed (never
 waited on), and the form with the lower recent median runs; the other
-form runs again every ``probe_every`` steps so that a change (longer
-rows, a selection that keeps less) is seen.
+form runs again after ``probe_every`` steps so that a change (longer
+rows, a selection that keeps less) is seen. Each probe that finds the same
+form faster as the probe before doubles the wait for the next one, up to
+``backoff`` times ``probe_every`` steps, since a probe is a step of the
+slower form; a change of form brings the wait back to ``probe_every``.
 """
 from __future__ import annotations
 
@@ -31,20 +34,26 @@ class TimedSwitch:
     """Measured times of a certified step's two forms, and the next step's form.
 
     Args:
-        probe_every: int >= 2: every probe_every-th choice runs the form
-            that is not the faster one, to measure it again.
+        probe_every: int >= 2: the probe_every-th choice after the last
+            probe runs the form that is not the faster one, to measure it
+            again (the wait doubles while probes confirm the choice).
         keep: how many recent times of each form the median is taken over.
+        backoff: int >= 1: the longest wait between probes, in multiples
+            of probe_every (1: a probe every probe_every steps).
 
     ``choose()`` -> bool (True: the dense pass), ``record(dense, ms)`` adds a
     measured time; on CUDA ``begin()`` / ``end(...)`` put events around a
     replay and ``poll()`` records the completed ones.
     """
 
-    def __init__(self, probe_every: int, keep: int = 3) -> None:
+    def __init__(self, probe_every: int, keep: int = 3, backoff: int = 8) -> None:
         self.probe_every = as_int(probe_every, "probe_every", lo=2)
         keep = as_int(keep, "keep", lo=1)
+        self.longest = self.probe_every * as_int(backoff, "backoff", lo=1)
         self.times: Dict[bool, Deque[float]] = {False: deque(maxlen=keep), True: deque(maxlen=keep)}
         self._since_probe = 0
+        self._every = self.probe_every  # the current wait between probes
+        self._probed: Optional[bool] = None  # the faster form when the last probe ran
         self._pending: List[Tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []
         self._free: List[torch.cuda.Event] = []
 
@@ -61,14 +70,17 @@ class TimedSwitch:
 
     def choose(self) -> bool:
         """The next step's form: the selection until it has a time, then the
-        dense pass until it has one, then the faster, the other one every
-        probe_every-th step."""
+        dense pass until it has one, then the faster, with a probe of the
+        other after each wait (see the module docstring)."""
         best = self.faster()
         if best is None:
             return bool(self.times[False])
         self._since_probe += 1
-        if self._since_probe >= self.probe_every:
+        if self._since_probe >= self._every:
             self._since_probe = 0
+            same = best == self._probed
+            self._every = min(2 * self._every, self.longest) if same else self.probe_every
+            self._probed = best
             return not best
         return best
 
