@@ -9,6 +9,7 @@ Usage (on the GPU machine, from the repository root):
 
     python -m benchmarks.profile_step \
         --configs paper_128k --methods quest_topk1024,gaussian
+    python -m benchmarks.profile_step --methods full_entmax,certified_sketch --sketch-dims 32
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .bench_decode import CONFIGS, METHODS, make_step
-from .harness import build, capture, kernel_config, time_graph
+from .harness import build, capture, kernel_config, sketched, time_graph
 
 
 def kernel_times(step, iters: int):
@@ -54,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="paper_128k")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sketch-dims", type=int, default=8,
+                    help="coordinates per token of certified_sketch's key sketches (as in bench_decode)")
     ap.add_argument("--config", action="append", default=[], metavar="[STAGE.]FIELD=VALUE",
                     help="a KernelConfig field for every kernel call, e.g. topk.select_warps=8")
     args = ap.parse_args(argv)
@@ -68,9 +71,13 @@ def main(argv=None):
         cache, ids, q, k4, v4 = build(cfg)
         print(f"\n## {cname} {cfg[:5]} built in {time.time() - t0:.1f}s", flush=True)
         scale = 1.0 / math.sqrt(cfg[4])
+        with_sketch = None
         for meth in args.methods.split(","):
             try:
-                step = extra_step(K, meth, cache, ids, q, scale) or make_step(K, meth, cache, ids, q, k4, v4, scale, kcfg)
+                if meth == "certified_sketch" and with_sketch is None:
+                    with_sketch = sketched(cache, args.sketch_dims)
+                c = with_sketch if meth == "certified_sketch" else cache
+                step = extra_step(K, meth, c, ids, q, scale) or make_step(K, meth, c, ids, q, k4, v4, scale, kcfg)
                 g, _ = capture(step)
                 ms, _ = time_graph(g, flush, 5, 20)
                 kt = kernel_times(step, args.iters)
@@ -81,7 +88,7 @@ def main(argv=None):
             print(f"{meth}: graph {ms * 1e3:.1f} us, kernels {tot:.1f} us", flush=True)
             for name, us in kt.items():
                 print(f"    {us:8.1f} us  {name[:90]}", flush=True)
-        del cache, ids, q, k4, v4
+        del cache, with_sketch, ids, q, k4, v4
         torch.cuda.empty_cache()
 
 
