@@ -24,9 +24,9 @@ the step runs either the certified selection or the dense pass (exact,
 certified by construction), and the two are separate graphs. Eagerly the
 decoder's coverage rule decides (``Certified.dense_above``); with graphs
 the step times both forms' replays with CUDA events and runs the faster
-(``entmaxkv.model.switch``), trying the other every ``probe_every`` steps,
-and the layers no longer compute their kept fraction (steps with
-statistics then run the selection).
+(``entmaxkv.model.switch``), trying the other after ``probe_every`` steps
+(a wait that grows while the probes confirm the choice); the layers then
+compute no kept fraction (steps with statistics run the selection).
 
 Outside attention a decode step is a few rows of elementwise work, whose
 cost is its launches (a fixed cost each, replayed or not). With ``fused`` (the
@@ -119,6 +119,7 @@ class ModelStep:
         backend = as_choice(backend, "backend", BACKENDS)
         self.model, self.cache, self.device = model, cache, device
         slopes = model.slopes if bool((model.slopes != 0).any()) else None
+
         def decoder(rule: str) -> Decoder:
             return Decoder(self.policy, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                            page_size=cache.page_size, alpha=cfg.attn_alpha, scale=model.scale,

@@ -12,10 +12,10 @@ rows the dense pass reads in parallel. The coverage rule
 CUDA event pair around each replay, read once both have completed (never
 waited on), and the form with the lower recent median runs; the other
 form runs again after ``probe_every`` steps so that a change (longer
-rows, a selection that keeps less) is seen. Each probe that finds the same
-form faster as the probe before doubles the wait for the next one, up to
-``backoff`` times ``probe_every`` steps, since a probe is a step of the
-slower form; a change of form brings the wait back to ``probe_every``.
+rows, a selection that keeps less) is seen. A probe is a step of the
+slower form, so while the probes find the same form faster the wait
+between them doubles, up to ``backoff`` times ``probe_every`` steps; a
+change of form brings the wait back to ``probe_every``.
 """
 from __future__ import annotations
 
