@@ -333,7 +333,10 @@ class Decoder:
 
     def replayed(self, layers: Sequence, dense: bool) -> None:
         """The caller replayed a captured step that ran these layers (dense
-        or not): do the host bookkeeping their ``run`` calls left out."""
+        or not): do the host bookkeeping their ``run`` calls left out
+        (none unless the coverage rule decides the certified steps)."""
+        if not self._coverage:
+            return
         for kv in layers:
             self._after_step(id(kv), dense)
 

@@ -200,7 +200,7 @@ class ModelStep:
             replayed = self._graphs.run((B, dense), lambda: self._body(c, dense))
             # not the replay right after a capture: it runs slower than the later ones
             switch.end(start, dense, keep=replayed and captured)
-        if replayed and switch is None:
+        if replayed:
             self.decoder.replayed(self.layers, dense)
         return c.logits
 
