@@ -12,7 +12,9 @@ For each model, batch and prompt length, in one process:
   ``generate`` runs without a stop token (the host half of a step overlaps
   the device half of the one before): their mean is ``ms_per_token_piped``;
 - ``full``: our dense paged kernel in the same captured model (the strongest
-  dense decode: the targets are against it);
+  dense decode: the targets are against it); ``full_softmax`` the same at
+  alpha 1, the dense decode of Quest's attention (each row's
+  ``speedup_vs_dense`` is against the dense row of its own alpha);
 - ``certified_sketch`` (twin): the certified policy with a TopK(256) seed on
   the ALiBi heads over the same pages with 8-dim key sketches, fitted after
   the prefill (``sketch_fit_s``); its floor counts the page summaries in
@@ -29,8 +31,8 @@ SDPA the weights and the whole static cache) and its ratio to it.
 Models: ``twin`` (the entmax twin, checkpoints/entmax; prompts are test-split
 text, so the selections see real activations), ``llama8b``
 (``ModelConfig.llama8b_shape``, random bf16 weights; top-k and Full at
-alpha 1.5, Quest = top-k at alpha 1), ``tiny`` (a small random model for a
-CPU dry run).
+alpha 1.5, Quest = top-k and ``full_softmax`` = Full at alpha 1),
+``tiny`` (a small random model for a CPU dry run).
 
     python -m benchmarks.bench_generate --out benchmarks/results
     python -m benchmarks.bench_generate --suite llama8b --lengths 32768 --batches 1
@@ -63,12 +65,15 @@ SUITES = {
     # suite: (methods, [(batch, lengths)])
     "twin": (["full", "topk1024", "gaussian", "certified", "certified_sketch", "sdpa_static"],
              [(1, [16384, 131072, 1048576]), (4, [16384, 131072])]),
-    "llama8b": (["full", "topk1024", "quest1024", "sdpa_static"], [(1, [32768, 131072, 524288])]),
-    "tiny": (["full", "topk1024", "gaussian", "certified", "certified_sketch", "quest1024", "sdpa_static"], [(1, [64]), (2, [64])]),
+    "llama8b": (["full", "full_softmax", "topk1024", "quest1024", "sdpa_static"], [(1, [32768, 131072, 524288])]),
+    "tiny": (["full", "full_softmax", "topk1024", "gaussian", "certified", "certified_sketch", "quest1024",
+              "sdpa_static"], [(1, [64]), (2, [64])]),
 }
 METHODS = {
     # name: (alpha, policy); alpha None: the model's own
     "full": (None, Full()),
+    # the dense paged kernel at alpha 1: the dense decode that Quest's selection stands in for
+    "full_softmax": (1.0, Full()),
     "topk1024": (None, TopK(1024)),
     "quest1024": (1.0, TopK(1024)),
     "gaussian": (None, Gaussian()),
@@ -201,7 +206,7 @@ def floor_bytes_paged(model, stats, cache, method: str) -> int:
     for st in stats:
         tokens = st.tokens_read.float().mean(-1).sum().item()  # per row, over its heads, summed over rows
         total += int(tokens * KV * D * 2 * it)
-        if method != "full":
+        if not isinstance(METHODS[method][1], Full):
             pages = sum(-(-int(n) // cache.page_size) for n in cache.seq_lens.tolist())
             # page boxes, or with sketches the page summaries (the token sketches read are not counted)
             total += pages * KV * ((2 * SKETCH_DIMS + 4) if method == "certified_sketch" else 2 * D * it)
@@ -400,15 +405,32 @@ def run_case(model, suite, B, n, methods, args, clock, bandwidth):
         print(json.dumps(row), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    full = next((r for r in rows if r["method"] == "full" and "ms_per_step" in r), None)
-    sdpa = next((r for r in rows if r["method"] == "sdpa_static" and "ms_per_step" in r), None)
-    for r in rows:
-        if "ms_per_step" in r:
-            if full:
-                r["speedup_vs_full"] = full["ms_per_step"] / r["ms_per_step"]
-            if sdpa:
-                r["speedup_vs_sdpa"] = sdpa["ms_per_step"] / r["ms_per_step"]
+    speedups(rows)
     return rows
+
+
+def speedups(rows) -> None:
+    """Add each timed row's speed-ups, per step and piped: over ``full``
+    (``speedup_vs_full``), over the dense paged row of its own alpha and
+    variant (``speedup_vs_dense``: Quest against ``full_softmax``, the
+    model's-alpha policies against ``full``) and over ``sdpa_static``."""
+    timed = {r["method"]: r for r in rows if "ms_per_step" in r}
+
+    def ratio(r, ref, key):
+        for src, dst in (("ms_per_step", ""), ("ms_per_token_piped", "_piped")):
+            if src in r and src in ref:
+                r[key + dst] = ref[src] / r[src]
+
+    for r in timed.values():
+        name, _, label = r["method"].partition("@")
+        suffix = f"@{label}" if label else ""
+        alpha = METHODS[name][0] if name in METHODS else None
+        dense = next((timed.get(d + suffix) for d, (a, pol) in METHODS.items()
+                      if isinstance(pol, Full) and a == alpha and d + suffix in timed), None)
+        for ref, key in ((timed.get("full"), "speedup_vs_full"), (dense, "speedup_vs_dense"),
+                         (timed.get("sdpa_static"), "speedup_vs_sdpa")):
+            if ref is not None:
+                ratio(r, ref, key)
 
 
 def plot(rows, path):
