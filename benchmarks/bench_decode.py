@@ -60,6 +60,9 @@ CONFIGS = {
     "gqa_32k": (4, 32768, 32, 8, 128, torch.bfloat16, 16),
     "gqa_128k": (4, 131072, 32, 8, 128, torch.bfloat16, 16),
     "gqa_512k": (4, 524288, 32, 8, 128, torch.bfloat16, 16),
+    # one sequence of the Llama-8B shape's attention (bench_generate --suite llama8b)
+    "l8_128k": (1, 131072, 32, 8, 128, torch.bfloat16, 16),
+    "l8_512k": (1, 524288, 32, 8, 128, torch.bfloat16, 16),
 }
 ALPHA = 1.5
 METHODS = {
