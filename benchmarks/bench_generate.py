@@ -424,7 +424,7 @@ def speedups(rows) -> None:
     for r in timed.values():
         name, _, label = r["method"].partition("@")
         suffix = f"@{label}" if label else ""
-        alpha = METHODS[name][0] if name in METHODS else None
+        alpha = METHODS[name][0] if name in METHODS else 1.0  # (sdpa_static: softmax)
         dense = next((timed.get(d + suffix) for d, (a, pol) in METHODS.items()
                       if isinstance(pol, Full) and a == alpha and d + suffix in timed), None)
         for ref, key in ((timed.get("full"), "speedup_vs_full"), (dense, "speedup_vs_dense"),
