@@ -13,7 +13,8 @@ tau_A; every page still left out satisfies the test against tau_A <= tau_A'.
 Kernels:
 * ``_cert_mark_kernel``: scatters a Selection into a uint8 page mask [B, S, M]
   (union over query heads, or copy to them, when the seed's selection heads
-  differ from the certified policy's).
+  differ from the certified policy's), optionally only on the rows whose
+  query heads all have a positive ALiBi slope, or only on the others.
 * ``_cert_augment_kernel``: kept = mask | forced | (any head: (alpha-1) ub > tau),
   compacted into a Selection with one atomic per block (unsorted pages).
 * ``_cert_certify_kernel``: per query head, is any valid unselected page not
@@ -27,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..policies import alibi_heads
 from ..types import TopK
 from ..types import Selection
 from .config import resolve
@@ -42,14 +42,19 @@ from .topk import select_topk
 
 
 @triton.jit
-def _mark_row(m_w, heads_ptr, d, FILTER: tl.constexpr):
+def _mark_row(m_w, slopes_ptr, d, NH, FILTER: tl.constexpr, BLOCK_H: tl.constexpr):
     """m_w where destination row d is marked: always (FILTER 0), only where
-    heads[d] is set (1) or only where it is not (2)."""
+    the NH query heads of row d all have a slope > 0 (1), or only where
+    they do not (2) (``policies.alibi_heads``, read here rather than
+    computed per step by separate launches)."""
     if FILTER == 0:
         return m_w
     else:
+        o_h = tl.arange(0, BLOCK_H)
+        b_sl = tl.load(slopes_ptr + d * NH + o_h, mask=o_h < NH, other=1.0)
+        alibi = tl.min((b_sl > 0.0).to(tl.int32), axis=0)  # (a NaN slope is not > 0)
         # (as a block: the interpreter masks only with bool blocks)
-        on = (tl.zeros_like(m_w.to(tl.int32)) + tl.load(heads_ptr + d).to(tl.int32)) != 0
+        on = (tl.zeros_like(m_w.to(tl.int32)) + alibi) != 0
         if FILTER == 1:
             return m_w & on
         else:
@@ -57,9 +62,9 @@ def _mark_row(m_w, heads_ptr, d, FILTER: tl.constexpr):
 
 
 @triton.jit
-def _cert_mark_kernel(pages_ptr, counts_ptr, mask_ptr, heads_ptr, W, M,
+def _cert_mark_kernel(pages_ptr, counts_ptr, mask_ptr, slopes_ptr, W, M, NH,
                  S_SRC: tl.constexpr, S_DST: tl.constexpr, BLOCK_W: tl.constexpr, FILTER: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     i_r = tl.program_id(0)
     i_w = tl.program_id(1)
@@ -71,12 +76,13 @@ def _cert_mark_kernel(pages_ptr, counts_ptr, mask_ptr, heads_ptr, W, M,
     b_pg = tl.load(pages_ptr + i_r.to(tl.int64) * W + o_w, mask=m_w, other=0)
     if S_SRC >= S_DST:  # union over the query heads of a KV group
         d = i_s // (S_SRC // S_DST)
-        tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1, mask=_mark_row(m_w, heads_ptr, d, FILTER))
+        tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1,
+                 mask=_mark_row(m_w, slopes_ptr, d, NH, FILTER, BLOCK_H))
     else:  # the group's selection repeated for each of its query heads
         for j in range(S_DST // S_SRC):
             d = i_s * (S_DST // S_SRC) + j
             tl.store(mask_ptr + (i_b * S_DST + d).to(tl.int64) * M + b_pg, 1,
-                     mask=_mark_row(m_w, heads_ptr, d, FILTER))
+                     mask=_mark_row(m_w, slopes_ptr, d, NH, FILTER, BLOCK_H))
 
 
 @triton.jit
@@ -171,13 +177,15 @@ def _cert_kept_kernel(counts_ptr, ids_ptr, lens_ptr, out_ptr, B, S,
 
 
 def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True, ws=None, *,
-              into: Optional[torch.Tensor] = None, heads: Optional[torch.Tensor] = None,
+              into: Optional[torch.Tensor] = None, slopes: Optional[torch.Tensor] = None,
               on_heads: bool = True) -> torch.Tensor:
     """uint8 [B, S, M] mask of the selected logical pages (S may differ from sel's heads).
 
-    ``into``: a mask to mark in place (default: a new zero one); ``heads``:
-    bool [S], then only the rows where heads[s] == ``on_heads`` are marked
-    (the certified policy's two seeds, by head type)."""
+    ``into``: a zeroed (or partly marked) mask to mark in place (default: a
+    new zero one); ``slopes``: float32 [HQ] ALiBi slopes (HQ a multiple of
+    S), then only the rows whose query heads all have a slope > 0 are
+    marked (``on_heads``) or only the others (the certified policy's two
+    seeds, by head type: ``policies.alibi_heads``)."""
     pages = sel.pages.to(torch.int32).contiguous()
     counts = sel.counts.to(torch.int32).contiguous()
     S_src, W = pages.shape[1], pages.shape[2]
@@ -185,19 +193,26 @@ def page_mask(sel: Selection, B: int, S: int, M: int, pdl: bool = True, ws=None,
     if W == 0:
         return mask
     block_w = min(1024, next_pow2(W))
+    nh = 1 if slopes is None else slopes.shape[0] // S
     opts = launch_opts(mask.device, pdl)
     _cert_mark_kernel[(B * S_src, triton.cdiv(W, block_w))](
-        pages, counts, mask, heads if heads is not None else counts, W, M, S_SRC=S_src, S_DST=S,
-        BLOCK_W=block_w, FILTER=0 if heads is None else 1 if on_heads else 2, num_warps=4, **opts,
+        pages, counts, mask, slopes if slopes is not None else counts, W, M, nh, S_SRC=S_src, S_DST=S,
+        BLOCK_W=block_w, FILTER=0 if slopes is None else 1 if on_heads else 2, BLOCK_H=next_pow2(nh),
+        num_warps=4, **opts,
     )
     return mask
 
 
-def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced, pdl, ws=None):
+def _compact(mask, ubs, tau, ids, cache, B, S, NG, HQ, *, alpha, sinks, window, add, forced, pdl, ws=None,
+             counts=None):
+    """The kept pages of ``mask`` (and, with ``add``, the pages whose bound
+    clears tau) as a Selection; ``counts``: zeroed int32 [B, S] for its
+    atomic list lengths (default: a new zero one)."""
     M = mask.shape[2]
     mem = alloc(ws)
     pages = mem.empty((B, S, M), torch.int32, mask.device)  # padding past counts is never read
-    counts = mem.zeros((B, S), torch.int32, mask.device)  # atomic list lengths
+    if counts is None:
+        counts = mem.zeros((B, S), torch.int32, mask.device)
     block_m = 256 if NG <= 4 else 64
     opts = launch_opts(mask.device, pdl)
     _cert_augment_kernel[(B * S, triton.cdiv(M, block_m))](
@@ -241,8 +256,15 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     NG = HQ // S
     M = cache.block_table.shape[1]
     ids = seq_ids.to(device=q.device, dtype=torch.int32)
-    heads = alibi_heads(slopes, S, HQ) if policy.alibi_seed is not None else None
-    seeds = [policy.seed] + ([policy.alibi_seed] if heads is not None else [])
+    by_head = policy.alibi_seed is not None and slopes is not None  # (policies.alibi_heads)
+    seeds = [policy.seed] + ([policy.alibi_seed] if by_head else [])
+    # one fill for everything the selection needs zeroed: the lists' atomic
+    # lengths (one [B, S] per compaction) and the page mask; each fill is a
+    # launch of its own, outside the kernels' programmatic overlap
+    zeroed = alloc(ws).zeros(B * S * 4 * len(seeds) + B * S * M, torch.uint8, q.device)
+    counts = [zeroed[i * B * S * 4:(i + 1) * B * S * 4].view(torch.int32).view(B, S) for i in range(len(seeds))]
+    mask = zeroed[B * S * 4 * len(seeds):].view(B, S, M)
+    sl = slopes.to(device=q.device, dtype=torch.float32).contiguous() if by_head else None
     sketched = getattr(cache, "sketch", None) is not None
     pb = terms = None
     tables = {}
@@ -263,13 +285,13 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
                           table=tables.get(0))
     # union over / copy to the certified selection heads; with an ALiBi seed,
     # the main seed marks the other heads' rows and the ALiBi seed theirs
-    mask = page_mask(seed_sel, B, S, M, cfg.pdl, ws, heads=heads, on_heads=False)
-    if heads is not None:
+    page_mask(seed_sel, B, S, M, cfg.pdl, ws, into=mask, slopes=sl, on_heads=False)
+    if by_head:
         other, _ = _seed(seeds[1], q, cache, ids, alpha, scale, slopes, cfg, ws, want_ub=False,
                          table=tables.get(1))
-        page_mask(other, B, S, M, cfg.pdl, ws, into=mask, heads=heads, on_heads=True)
+        page_mask(other, B, S, M, cfg.pdl, ws, into=mask, slopes=sl, on_heads=True)
         seed_sel = _compact(mask, None, None, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=0, window=0,
-                            add=False, forced=False, pdl=cfg.pdl, ws=ws)
+                            add=False, forced=False, pdl=cfg.pdl, ws=ws, counts=counts[1])
     # tau_A per query head over the seed as selected (per KV group or per query
     # head): any subset gives a valid lower bound on the full-cache tau.
     tau_a = selection_tau(q, cache, ids, seed_sel, alpha=alpha, scale=scale, slopes=slopes,
@@ -279,7 +301,7 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
         ubs = SK._bounds_launch(q, cache, sk, bt, strides, ids, scale_f, slopes, mask, HQ // S, pb,
                                 tau_a.to(torch.float32).contiguous(), float(alpha) - 1.0, terms, ws)
     sel = _compact(mask, ubs, tau_a, ids, cache, B, S, NG, HQ, alpha=alpha, sinks=policy.sinks,
-                   window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws)
+                   window=policy.window, add=True, forced=True, pdl=cfg.pdl, ws=ws, counts=counts[0])
     # the kept pages contain the seed's, so tau_A bounds tau over them from below
     sel.tau_lower = tau_a
     return sel

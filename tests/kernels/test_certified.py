@@ -20,6 +20,32 @@ from entmaxkv.types import Selection  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
+@pytest.mark.parametrize("per_q", [False, True], ids=["per-kv", "per-q"])
+def test_certified_alibi_seed_by_head_group(per_q):
+    """With an ALiBi seed, a selection head takes it exactly where all its
+    query heads have a slope > 0 (``policies.alibi_heads``; the mark kernel
+    reads the slopes itself): per KV group, a group with one zero slope and
+    one with a negative slope take the main seed. Each head's pages equal the
+    reference's and those of the certified policy with that head's seed."""
+    cache, ids, q, _ = case([300, 70, 6], 3, 2, 16, 8, torch.float32, seed=11, key_scale=2.0)
+    sl = torch.tensor([0.5, 0.0, 0.3, 0.4, -0.2, 0.6], device=DEV)  # groups: mixed, ALiBi, negative
+    S = 6 if per_q else 3  # selection heads: query heads, or KV groups of two
+    alibi = (sl > 0).view(S, -1).all(1).tolist()
+    assert alibi == ([True, False, True, True, False, True] if per_q else [False, True, False])
+    kw = dict(per_query_head=per_q, window=1)
+    sets = {}
+    for name, pol in (("both", Certified(seed=TopK(48), alibi_seed=TopK(8), **kw)),
+                      ("main", Certified(seed=TopK(48), **kw)), ("alibi", Certified(seed=TopK(8), **kw))):
+        sets[name] = page_sets(K.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl))
+        if name == "both":
+            assert sets[name] == page_sets(RP.select(pol, q, cache, ids, alpha=1.5, scale=0.3, slopes=sl))
+    for b in range(3):
+        for s, got in enumerate(sets["both"][b]):
+            assert got == sets["alibi" if alibi[s] else "main"][b][s]
+    # the two seeds keep different pages on some head, so a wrong split shows
+    assert sets["main"] != sets["alibi"]
+
+
 @pytest.mark.parametrize("seed_policy,per_q,alpha", [
     (TopK(32), False, 1.5), (TopK(24, per_query_head=True), False, 2.0), (TopK(32), True, 1.5),
     (Gaussian(), False, 1.5),
