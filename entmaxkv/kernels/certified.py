@@ -31,7 +31,7 @@ import triton.language as tl
 from ..types import TopK
 from ..types import Selection
 from .config import resolve
-from ._common import ATOMIC_SEM, alloc, launch_opts, next_pow2, no_positions, pdl_start
+from ._common import ATOMIC_SEM, alloc, as_slopes, launch_opts, next_pow2, no_positions, pdl_start
 from .attention import selection_tau
 from .scoring import bounds_with_slack, prep_query
 from .topk import select_topk
@@ -264,7 +264,7 @@ def select_certified(policy, q, cache, seq_ids, *, alpha: float, scale: float, s
     zeroed = alloc(ws).zeros(B * S * 4 * len(seeds) + B * S * M, torch.uint8, q.device)
     counts = [zeroed[i * B * S * 4:(i + 1) * B * S * 4].view(torch.int32).view(B, S) for i in range(len(seeds))]
     mask = zeroed[B * S * 4 * len(seeds):].view(B, S, M)
-    sl = slopes.to(device=q.device, dtype=torch.float32).contiguous() if by_head else None
+    sl = as_slopes(slopes, HQ, q.device, ws) if by_head else None
     sketched = getattr(cache, "sketch", None) is not None
     pb = terms = None
     tables = {}
